@@ -1,0 +1,251 @@
+#include "megatorch/comm/group.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdlib>
+
+#include "megatorch/check.h"
+#include "megatorch/parallel/launch_env.h"
+
+namespace megatorch::comm {
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return c10d::ReduceOp::SUM;
+    case ReduceOp::kAvg: return c10d::ReduceOp::AVG;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+int64_t normalize_dim(int64_t dim, const at::Tensor& t, const char* what) {
+  const int64_t nd = t.dim();
+  MEGATORCH_CHECK(nd > 0 && dim >= -nd && dim < nd, what, ": expected dim in [", -nd, ", ", nd,
+                  ") for a tensor of shape ", t.sizes(), ", got ", dim);
+  return dim < 0 ? dim + nd : dim;
+}
+
+std::chrono::milliseconds group_timeout(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  if (std::getenv("MEGATORCH_COMM_TIMEOUT_S")) return parallel::default_comm_timeout();
+  try {
+    auto opts = pg->getDefaultBackend()->getBackendOptions();
+    if (opts && opts->timeout.count() > 0) return opts->timeout;
+  } catch (const std::exception&) {
+    // A backend without getBackendOptions: fall through to the default.
+  }
+  return parallel::default_comm_timeout();
+}
+
+[[noreturn]] void fail(const CollectiveInfo& i, const std::string& cause) {
+  MEGATORCH_FAIL("collective ", comm_op_name(i.op), " #", i.seq, " on group '", i.group, "' (rank ",
+                 i.rank, " of ", i.size, ", backend ", i.backend, ", timeout ", i.timeout.count() / 1000.0,
+                 " s) failed: ", cause,
+                 "\nEvery rank of the group must call the same collectives in the same order; a rank "
+                 "that skipped this one or died is the usual cause. Raise MEGATORCH_COMM_TIMEOUT_S "
+                 "if the work is just slow.");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------- Work
+
+Work::Work(c10::intrusive_ptr<c10d::Work> work, CollectiveInfo info, std::function<at::Tensor()> finish)
+    : work_(std::move(work)), info_(std::move(info)), finish_(std::move(finish)) {}
+
+at::Tensor Work::wait() {
+  if (waited_ || !work_) return result_;
+  try {
+    work_->wait(info_.timeout);
+  } catch (const std::exception& e) {
+    waited_ = true;
+    fail(info_, e.what());
+  }
+  waited_ = true;
+  if (finish_) result_ = finish_();
+  finish_ = nullptr;
+  return result_;
+}
+
+bool Work::is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
+
+// --------------------------------------------------------------------------- Group
+
+Group::Group(std::string name) : name_(std::move(name)) {
+  try {
+    pg_ = c10d::resolve_process_group(name_);
+  } catch (const std::exception&) {
+    MEGATORCH_FAIL("expected a process group registered under the name '", name_,
+                   "', found none; pass the name of a group made by megatorch's ParallelState "
+                   "(e.g. state.group_name(GroupKind::kTensor)) or of one made in Python by "
+                   "torch.distributed.new_group(...) (its .group_name)");
+  }
+  rank_ = pg_->getRank();
+  size_ = pg_->getSize();
+  timeout_ = group_timeout(pg_);
+}
+
+Group::Group(const parallel::ParallelState& state, parallel::GroupKind kind)
+    : Group(state.group_name(kind)) {}
+
+std::string Group::backend_for(const at::Tensor& t) const {
+  return pg_->getBackend(t.device().type())->getBackendName();
+}
+
+CollectiveInfo Group::begin(CommOp op, int64_t bytes, const std::string& backend) const {
+  CollectiveInfo info;
+  info.group = name_;
+  info.op = op;
+  info.seq = detail::record_comm(name_, op, bytes);
+  info.rank = rank_;
+  info.size = size_;
+  info.backend = backend;
+  info.timeout = timeout_;
+  return info;
+}
+
+Work Group::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
+  if (size_ == 1) return Work(tensor);
+  const std::string backend = backend_for(tensor);
+  const bool emulate_avg = op == ReduceOp::kAvg && backend == "gloo";
+  MEGATORCH_CHECK(op != ReduceOp::kAvg || tensor.is_floating_point(),
+                  "all_reduce AVG: expected a floating-point tensor, got ", tensor.scalar_type(),
+                  "; reduce with SUM and divide yourself for integer tensors");
+  auto info = begin(CommOp::kAllReduce, tensor.nbytes(), backend);
+  // Collectives need dense contiguous buffers; reduce a copy and write it back if not.
+  at::Tensor buf = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  // Gloo has no AVG: scale by 1/size, then sum (scaling first keeps fp16 from overflowing).
+  if (emulate_avg) buf.div_(size_);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(emulate_avg ? ReduceOp::kSum : op);
+  opts.timeout = timeout_;
+  std::vector<at::Tensor> bufs{buf};
+  auto work = pg_->allreduce(bufs, opts);
+  at::Tensor target = tensor;
+  return Work(work, info, [buf, target]() mutable {
+    if (!buf.is_same(target)) target.copy_(buf);
+    return target;
+  });
+}
+
+at::Tensor Group::all_reduce(at::Tensor& tensor, ReduceOp op) { return all_reduce_async(tensor, op).wait(); }
+
+Work Group::all_gather_async(const at::Tensor& input, int64_t dim) {
+  dim = normalize_dim(dim, input, "all_gather");
+  if (size_ == 1) return Work(input.clone());
+  auto info = begin(CommOp::kAllGather, input.nbytes(), backend_for(input));
+  at::Tensor in = input.contiguous();
+  std::vector<at::Tensor> outs;
+  outs.reserve(size_);
+  for (int64_t r = 0; r < size_; ++r) outs.push_back(at::empty_like(in));
+  std::vector<std::vector<at::Tensor>> outputs{outs};
+  std::vector<at::Tensor> inputs{in};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  auto work = pg_->allgather(outputs, inputs, opts);
+  return Work(work, info, [outs, dim]() { return at::cat(outs, dim); });
+}
+
+at::Tensor Group::all_gather(const at::Tensor& input, int64_t dim) { return all_gather_async(input, dim).wait(); }
+
+Work Group::reduce_scatter_async(const at::Tensor& input, int64_t dim, ReduceOp op) {
+  dim = normalize_dim(dim, input, "reduce_scatter");
+  MEGATORCH_CHECK(input.size(dim) % size_ == 0, "reduce_scatter on group '", name_,
+                  "': expected dim ", dim, " of the input (shape ", input.sizes(),
+                  ") to be divisible by the group size ", size_,
+                  "; pad it or choose a parallel size that divides it");
+  if (size_ == 1) return Work(input.clone());
+  const std::string backend = backend_for(input);
+  auto info = begin(CommOp::kReduceScatter, input.nbytes(), backend);
+  const int64_t chunk = input.size(dim) / size_;
+  c10d::ReduceScatterOptions rs_opts;
+  rs_opts.timeout = timeout_;
+  if (backend != "gloo") {
+    rs_opts.reduceOp = to_c10d(op);
+    at::Tensor out = at::empty_like(input.narrow(dim, 0, chunk), at::MemoryFormat::Contiguous);
+    std::vector<at::Tensor> chunks;
+    for (const auto& c : input.chunk(size_, dim)) chunks.push_back(c.contiguous());
+    std::vector<at::Tensor> outs{out};
+    std::vector<std::vector<at::Tensor>> ins{chunks};
+    auto work = pg_->reduce_scatter(outs, ins, rs_opts);
+    return Work(work, info, [out]() { return out; });
+  }
+  // Gloo has no reduce-scatter: all-reduce the whole input, keep this rank's chunk. The
+  // counters record the logical reduce-scatter (its input bytes), not the emulation.
+  MEGATORCH_CHECK(op != ReduceOp::kAvg || input.is_floating_point(),
+                  "reduce_scatter AVG: expected a floating-point tensor, got ", input.scalar_type());
+  at::Tensor buf = input.contiguous().clone();
+  if (op == ReduceOp::kAvg) buf.div_(size_);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+  opts.timeout = timeout_;
+  std::vector<at::Tensor> bufs{buf};
+  auto work = pg_->allreduce(bufs, opts);
+  const int64_t start = rank_ * chunk;
+  return Work(work, info, [buf, dim, start, chunk]() { return buf.narrow(dim, start, chunk).contiguous(); });
+}
+
+at::Tensor Group::reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op) {
+  return reduce_scatter_async(input, dim, op).wait();
+}
+
+Work Group::broadcast_async(at::Tensor& tensor, int64_t src) {
+  MEGATORCH_CHECK(src >= 0 && src < size_, "broadcast on group '", name_, "': expected src in [0, ",
+                  size_, "), got ", src);
+  if (size_ == 1) return Work(tensor);
+  auto info = begin(CommOp::kBroadcast, tensor.nbytes(), backend_for(tensor));
+  at::Tensor buf = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  opts.timeout = timeout_;
+  std::vector<at::Tensor> bufs{buf};
+  auto work = pg_->broadcast(bufs, opts);
+  at::Tensor target = tensor;
+  return Work(work, info, [buf, target]() mutable {
+    if (!buf.is_same(target)) target.copy_(buf);
+    return target;
+  });
+}
+
+at::Tensor Group::broadcast(at::Tensor& tensor, int64_t src) { return broadcast_async(tensor, src).wait(); }
+
+Work Group::send_async(const at::Tensor& tensor, int64_t dst, int64_t tag) {
+  MEGATORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send on group '", name_,
+                  "': expected a destination rank in [0, ", size_, ") other than this rank ", rank_,
+                  ", got ", dst);
+  auto info = begin(CommOp::kSend, tensor.nbytes(), backend_for(tensor));
+  std::vector<at::Tensor> bufs{tensor.contiguous()};
+  auto work = pg_->send(bufs, static_cast<int>(dst), static_cast<int>(tag));
+  return Work(work, info, nullptr);
+}
+
+void Group::send(const at::Tensor& tensor, int64_t dst, int64_t tag) { send_async(tensor, dst, tag).wait(); }
+
+Work Group::recv_async(at::Tensor& tensor, int64_t src, int64_t tag) {
+  MEGATORCH_CHECK(src >= 0 && src < size_ && src != rank_, "recv on group '", name_,
+                  "': expected a source rank in [0, ", size_, ") other than this rank ", rank_,
+                  ", got ", src);
+  auto info = begin(CommOp::kRecv, tensor.nbytes(), backend_for(tensor));
+  at::Tensor buf = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<at::Tensor> bufs{buf};
+  auto work = pg_->recv(bufs, static_cast<int>(src), static_cast<int>(tag));
+  at::Tensor target = tensor;
+  return Work(work, info, [buf, target]() mutable {
+    if (!buf.is_same(target)) target.copy_(buf);
+    return target;
+  });
+}
+
+at::Tensor Group::recv(at::Tensor& tensor, int64_t src, int64_t tag) { return recv_async(tensor, src, tag).wait(); }
+
+void Group::barrier() {
+  if (size_ == 1) return;
+  auto info = begin(CommOp::kBarrier, 0, pg_->getBackendName());
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout_;
+  Work(pg_->barrier(opts), info, nullptr).wait();
+}
+
+}  // namespace megatorch::comm

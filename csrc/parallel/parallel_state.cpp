@@ -1,0 +1,162 @@
+#include "megatorch/parallel/parallel_state.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <atomic>
+#include <sstream>
+
+#include "megatorch/check.h"
+#include "megatorch/parallel/process_group_factory.h"
+
+namespace megatorch::parallel {
+namespace {
+
+constexpr std::array<GroupKind, 4> kAllKinds{GroupKind::kWorld, GroupKind::kTensor, GroupKind::kData,
+                                             GroupKind::kPipeline};
+
+// Every rank builds its ParallelStates in the same order, so this count names the same
+// store namespace on every rank and a later state never reads an earlier one's keys.
+std::atomic<int64_t>& instance_counter() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(env.master_port);
+  opts.isServer = !env.use_agent_store && env.rank == 0;
+  if (opts.isServer) opts.numWorkers = static_cast<size_t>(env.world_size);
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  opts.multiTenant = true;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  } catch (const std::exception& e) {
+    MEGATORCH_FAIL("rank ", env.rank, " could not reach the rendezvous store at MASTER_ADDR:MASTER_PORT = ",
+                   env.master_addr, ":", env.master_port, " within ", timeout.count() / 1000.0, " s: ", e.what(),
+                   "\nCheck that rank 0 (or torchrun's agent) is running and that MASTER_ADDR/MASTER_PORT "
+                   "point at it.");
+  }
+  if (env.use_agent_store) {
+    store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), store);
+  }
+  return store;
+}
+
+c10::Device choose_device(const std::string& device, int64_t local_rank) {
+  MEGATORCH_CHECK(device == "auto" || device == "cpu" || device == "cuda",
+                  "expected ParallelStateOptions::device to be 'auto', 'cpu' or 'cuda', got '", device, "'");
+  const bool cuda = device == "cuda" || (device == "auto" && cuda_available());
+  if (!cuda) return c10::Device(c10::kCPU);
+  MEGATORCH_CHECK(cuda_available(), "expected a visible CUDA device for device 'cuda', found none; "
+                  "use device 'cpu' (Gloo) on machines without a GPU");
+  set_cuda_device(local_rank);
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+}  // namespace
+
+ParallelState::ParallelState(ParallelStateOptions options)
+    : options_(std::move(options)),
+      // Validate sizes against WORLD_SIZE before connecting to anything.
+      layout_([&] {
+        const LaunchEnv env = LaunchEnv::from_environment();
+        return RankLayout(env.world_size, options_.tensor_model_parallel_size(),
+                          options_.pipeline_model_parallel_size());
+      }()),
+      rank_(0),
+      local_rank_(0) {
+  const LaunchEnv env = LaunchEnv::from_environment();
+  rank_ = env.rank;
+  local_rank_ = env.local_rank;
+  device_ = choose_device(options_.device(), local_rank_);
+  store_ = connect_store(env, options_.timeout());
+  build_groups();
+}
+
+ParallelState::ParallelState(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
+                             ParallelStateOptions options)
+    : options_(std::move(options)),
+      layout_(world_size, options_.tensor_model_parallel_size(), options_.pipeline_model_parallel_size()),
+      rank_(rank),
+      local_rank_(rank),
+      store_(std::move(store)) {
+  MEGATORCH_CHECK(store_, "expected a store to build ParallelState from, got null");
+  MEGATORCH_CHECK(rank >= 0 && rank < world_size, "expected rank in [0, ", world_size, "), got ", rank);
+  device_ = choose_device(options_.device(), local_rank_);
+  build_groups();
+}
+
+void ParallelState::build_groups() {
+  const std::string& base = options_.name();
+  MEGATORCH_CHECK(!base.empty(), "expected a non-empty ParallelStateOptions::name");
+  for (GroupKind kind : kAllKinds) {
+    const int k = static_cast<int>(kind);
+    names_[k] = base + "." + group_kind_name(kind);
+    bool taken = true;
+    try {
+      c10d::resolve_process_group(names_[k]);
+    } catch (const std::exception&) {
+      taken = false;
+    }
+    MEGATORCH_CHECK(!taken, "a process group named '", names_[k], "' is already registered in this process; ",
+                    "destroy the ParallelState that made it first, or give this one another name with "
+                    "ParallelStateOptions().name(...)");
+  }
+  const auto root = c10::make_intrusive<c10d::PrefixStore>(
+      "megatorch/" + std::to_string(instance_counter().fetch_add(1)) + "/", store_);
+  const bool with_cuda = device_.is_cuda();
+  // Same kind order on every rank: each group's members rendezvous together.
+  for (GroupKind kind : kAllKinds) {
+    const int k = static_cast<int>(kind);
+    ranks_[k] = layout_.group_ranks(kind, rank_);
+    const int64_t index = layout_.group_index(kind, rank_);
+    const int64_t group_rank = std::find(ranks_[k].begin(), ranks_[k].end(), rank_) - ranks_[k].begin();
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>(
+        std::string(group_kind_name(kind)) + "/" + std::to_string(index) + "/", root);
+    groups_[k] = make_process_group(group_store, group_rank, static_cast<int64_t>(ranks_[k].size()), names_[k],
+                                    with_cuda, options_.timeout());
+    c10d::register_process_group(names_[k], groups_[k]);
+  }
+}
+
+ParallelState::~ParallelState() {
+  for (const auto& name : names_) {
+    if (name.empty()) continue;
+    try {
+      c10d::unregister_process_group(name);
+    } catch (...) {
+      // Already gone (e.g. torch.distributed.destroy_process_group ran first).
+    }
+  }
+}
+
+const std::string& ParallelState::group_name(GroupKind kind) const { return names_[static_cast<int>(kind)]; }
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& ParallelState::process_group(GroupKind kind) const {
+  return groups_[static_cast<int>(kind)];
+}
+
+const std::vector<int64_t>& ParallelState::group_ranks(GroupKind kind) const {
+  return ranks_[static_cast<int>(kind)];
+}
+
+std::string ParallelState::describe() const {
+  std::ostringstream os;
+  const RankCoord c = coord();
+  os << "rank " << rank_ << " (" << layout_.describe() << "; tp_rank " << c.tp << ", dp_rank " << c.dp
+     << ", pp_rank " << c.pp << ", device " << device_ << ")";
+  for (GroupKind kind : kAllKinds) {
+    os << "\n  " << group_kind_name(kind) << " group '" << group_name(kind) << "': [";
+    const auto& r = group_ranks(kind);
+    for (size_t i = 0; i < r.size(); ++i) os << (i ? ", " : "") << r[i];
+    os << "]";
+  }
+  return os.str();
+}
+
+}  // namespace megatorch::parallel

@@ -1,0 +1,63 @@
+#include "megatorch/parallel/process_group_factory.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/cuda.h>
+
+#ifdef MEGATORCH_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include "megatorch/check.h"
+
+namespace megatorch::parallel {
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int64_t rank, int64_t size, const std::string& name,
+                                                          bool with_cuda, std::chrono::milliseconds timeout) {
+  using BT = c10d::ProcessGroup::BackendType;
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, static_cast<int>(rank), static_cast<int>(size));
+
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create_default(timeout);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo/", store),
+                                                          static_cast<int>(rank), static_cast<int>(size), gloo_opts);
+  pg->setBackend(c10::DeviceType::CPU, BT::GLOO, gloo);
+  pg->setDefaultBackend(BT::GLOO);
+
+  if (with_cuda) {
+#ifdef MEGATORCH_WITH_CUDA
+    auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+    nccl_opts->timeout = timeout;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl/", store),
+                                                            static_cast<int>(rank), static_cast<int>(size), nccl_opts);
+    pg->setBackend(c10::DeviceType::CUDA, BT::NCCL, nccl);
+    pg->setDefaultBackend(BT::NCCL);
+#else
+    MEGATORCH_FAIL("expected a CUDA build of megatorch for device 'cuda', got a CPU-only build; "
+                   "rebuild against a CUDA torch or use device 'cpu'");
+#endif
+  }
+  pg->setGroupName(name);
+  pg->setGroupDesc(name);
+  return pg;
+}
+
+bool cuda_available() {
+#ifdef MEGATORCH_WITH_CUDA
+  return torch::cuda::is_available();
+#else
+  return false;
+#endif
+}
+
+void set_cuda_device(int64_t index) {
+#ifdef MEGATORCH_WITH_CUDA
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+#else
+  MEGATORCH_FAIL("expected a CUDA build of megatorch to select CUDA device ", index, ", got a CPU-only build");
+#endif
+}
+
+}  // namespace megatorch::parallel

@@ -1,0 +1,104 @@
+#pragma once
+// `Group`: a handle on a c10d process group registered by name (by ParallelState or by
+// torch.distributed.new_group in Python). It runs the collectives megatorch needs,
+// counts their bytes (comm_stats.h), and turns a failed or timed-out collective into an
+// error that names the group, the operation and its sequence number.
+#include <ATen/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "megatorch/comm/comm_stats.h"
+#include "megatorch/parallel/parallel_state.h"
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace megatorch::comm {
+
+enum class ReduceOp { kSum, kAvg, kMax };
+
+// What a collective was, for error messages.
+struct CollectiveInfo {
+  std::string group;
+  CommOp op = CommOp::kBarrier;
+  int64_t seq = 0;
+  int64_t rank = 0;
+  int64_t size = 1;
+  std::string backend;
+  std::chrono::milliseconds timeout{0};
+};
+
+// An in-flight collective. wait() blocks (up to the group's timeout), finishes any
+// emulation step and returns the result tensor (undefined for barrier/send).
+class Work {
+ public:
+  Work() = default;  // already complete (e.g. a group of one rank)
+  explicit Work(at::Tensor done) : result_(std::move(done)) {}
+  Work(c10::intrusive_ptr<c10d::Work> work, CollectiveInfo info, std::function<at::Tensor()> finish);
+
+  at::Tensor wait();
+  bool is_completed() const;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  CollectiveInfo info_;
+  std::function<at::Tensor()> finish_;
+  at::Tensor result_;
+  bool waited_ = false;
+};
+
+class Group {
+ public:
+  // Resolves a group registered in c10d's registry under `name`.
+  explicit Group(std::string name);
+  // The group of `kind` that this rank belongs to in `state`.
+  Group(const parallel::ParallelState& state, parallel::GroupKind kind);
+
+  // The timeout of every wait: MEGATORCH_COMM_TIMEOUT_S if set, else the process
+  // group's own timeout (ParallelStateOptions::timeout, or new_group(timeout=...)).
+  const std::string& name() const { return name_; }
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+
+  // In place on `tensor`; returns it.
+  at::Tensor all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  Work all_reduce_async(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // Concatenation of every rank's `input` along `dim` (in group-rank order).
+  at::Tensor all_gather(const at::Tensor& input, int64_t dim = 0);
+  Work all_gather_async(const at::Tensor& input, int64_t dim = 0);
+  // Reduction of every rank's `input`, split along `dim`; this rank's chunk.
+  at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim = 0, ReduceOp op = ReduceOp::kSum);
+  Work reduce_scatter_async(const at::Tensor& input, int64_t dim = 0, ReduceOp op = ReduceOp::kSum);
+  // `src`, `dst` are ranks within this group.
+  at::Tensor broadcast(at::Tensor& tensor, int64_t src);
+  Work broadcast_async(at::Tensor& tensor, int64_t src);
+  void send(const at::Tensor& tensor, int64_t dst, int64_t tag = 0);
+  Work send_async(const at::Tensor& tensor, int64_t dst, int64_t tag = 0);
+  at::Tensor recv(at::Tensor& tensor, int64_t src, int64_t tag = 0);
+  Work recv_async(at::Tensor& tensor, int64_t src, int64_t tag = 0);
+  void barrier();
+
+  CommStats stats() const { return comm_stats(name_); }
+  void reset_stats() const { reset_comm_stats(name_); }
+
+ private:
+  std::string backend_for(const at::Tensor& t) const;
+  CollectiveInfo begin(CommOp op, int64_t bytes, const std::string& backend) const;
+
+  std::string name_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int64_t rank_ = 0;
+  int64_t size_ = 1;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace megatorch::comm

@@ -1,0 +1,58 @@
+#pragma once
+// Megatron's autograd communication mappings, each an operator torch.ops.megatorch.<op>
+// (Tensor input, str group) -> Tensor. Activations use the [s, b, h] layout: "last dim"
+// is the hidden/feature dim, dim 0 the sequence dim.
+//
+//   mapping                     forward                      backward
+//   copy_to_tp_region (f)       identity                     all-reduce
+//   reduce_from_tp_region (g)   all-reduce                   identity
+//   scatter_to_tp_region        split along the last dim     all-gather along the last dim
+//   gather_from_tp_region       all-gather along last dim    split along the last dim
+//   scatter_to_sp_region        split along dim 0            all-gather along dim 0
+//   gather_from_sp_region       all-gather along dim 0       reduce-scatter along dim 0
+//   reduce_scatter_to_sp_region reduce-scatter along dim 0   all-gather along dim 0
+//
+// Each backward is the forward of another mapping (its "adjoint" below), so the set is
+// closed: the autograd kernel of one operator calls the operator of its adjoint, which
+// keeps double backward, TorchScript and torch.compile (fake tensors) on the dispatcher.
+#include <ATen/Tensor.h>
+
+#include <string>
+#include <vector>
+
+namespace megatorch::comm {
+
+enum class Mapping {
+  kCopyToTP,
+  kReduceFromTP,
+  kScatterToTP,
+  kGatherFromTP,
+  kScatterToSP,
+  kGatherFromSP,
+  kReduceScatterToSP,
+};
+constexpr int kNumMappings = 7;
+
+// Operator name without namespace, e.g. "copy_to_tp_region".
+const char* mapping_name(Mapping m);
+// The mapping whose forward is the backward of `m`.
+Mapping mapping_adjoint(Mapping m);
+
+// The forward collective itself, outside autograd (the CPU/CUDA kernel of the operator).
+at::Tensor mapping_forward(Mapping m, const at::Tensor& input, const std::string& group);
+// Output shape for an input shape, given the group size (the Meta/fake kernel; symbolic
+// sizes allowed so that torch.compile(dynamic=True) traces it). Validates divisibility.
+std::vector<c10::SymInt> mapping_output_shape(Mapping m, c10::SymIntArrayRef input_shape, int64_t group_size);
+
+// Differentiable: runs the operator through the dispatcher with Megatron's backward.
+at::Tensor apply_mapping(Mapping m, const at::Tensor& input, const std::string& group);
+
+inline at::Tensor copy_to_tp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kCopyToTP, x, g); }
+inline at::Tensor reduce_from_tp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kReduceFromTP, x, g); }
+inline at::Tensor scatter_to_tp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kScatterToTP, x, g); }
+inline at::Tensor gather_from_tp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kGatherFromTP, x, g); }
+inline at::Tensor scatter_to_sp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kScatterToSP, x, g); }
+inline at::Tensor gather_from_sp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kGatherFromSP, x, g); }
+inline at::Tensor reduce_scatter_to_sp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kReduceScatterToSP, x, g); }
+
+}  // namespace megatorch::comm

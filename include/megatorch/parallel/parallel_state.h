@@ -1,0 +1,89 @@
+#pragma once
+// ParallelState: the world store, the world process group and its split into tensor-,
+// data- and pipeline-parallel groups in Megatron's rank order (rank_layout.h). Every
+// group is a c10d ProcessGroup registered by name ("<name>.tp", "<name>.dp",
+// "<name>.pp", "<name>.world"), so operators and Python code find it by that name.
+// No process-wide "current" state: hold the object, pass it (or group names) down.
+#include <torch/arg.h>
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <array>
+#include <chrono>
+#include <string>
+
+#include "megatorch/parallel/launch_env.h"
+#include "megatorch/parallel/rank_layout.h"
+
+namespace c10d {
+class Store;
+class ProcessGroup;
+}  // namespace c10d
+
+namespace megatorch::parallel {
+
+struct ParallelStateOptions {
+  ParallelStateOptions(int64_t tensor_model_parallel_size = 1, int64_t pipeline_model_parallel_size = 1)
+      : tensor_model_parallel_size_(tensor_model_parallel_size),
+        pipeline_model_parallel_size_(pipeline_model_parallel_size) {}
+  TORCH_ARG(int64_t, tensor_model_parallel_size);
+  TORCH_ARG(int64_t, pipeline_model_parallel_size);
+  // Prefix of the registered group names; two live ParallelStates need different names.
+  TORCH_ARG(std::string, name) = "megatorch";
+  // "auto": CUDA (NCCL for CUDA tensors, device = LOCAL_RANK) when a GPU is present, else
+  // CPU; "cpu" or "cuda" to force. Gloo always serves CPU tensors.
+  TORCH_ARG(std::string, device) = "auto";
+  // Store connection and collective timeout.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = default_comm_timeout();
+};
+
+class ParallelState {
+ public:
+  // From torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). The configuration
+  // is validated before anything connects, so a bad one fails on every rank at once.
+  explicit ParallelState(ParallelStateOptions options = {});
+  // From an existing store, for tests and for programs that rendezvous their own way.
+  ParallelState(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
+                ParallelStateOptions options = {});
+  ~ParallelState();  // unregisters its groups
+  ParallelState(const ParallelState&) = delete;
+  ParallelState& operator=(const ParallelState&) = delete;
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return layout_.world_size(); }
+  int64_t local_rank() const { return local_rank_; }
+  const RankLayout& layout() const { return layout_; }
+  RankCoord coord() const { return layout_.coord(rank_); }
+  int64_t tp_rank() const { return coord().tp; }
+  int64_t dp_rank() const { return coord().dp; }
+  int64_t pp_rank() const { return coord().pp; }
+  int64_t tp_size() const { return layout_.tp_size(); }
+  int64_t dp_size() const { return layout_.dp_size(); }
+  int64_t pp_size() const { return layout_.pp_size(); }
+
+  const std::string& group_name(GroupKind kind) const;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group(GroupKind kind) const;
+  const std::vector<int64_t>& group_ranks(GroupKind kind) const;
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  c10::Device device() const { return device_; }
+  const ParallelStateOptions& options() const { return options_; }
+
+  // One line per group kind: its name and global ranks, as seen from this rank.
+  std::string describe() const;
+
+ private:
+  void build_groups();
+
+  ParallelStateOptions options_;
+  RankLayout layout_;
+  int64_t rank_;
+  int64_t local_rank_;
+  c10::Device device_{c10::kCPU};
+  c10::intrusive_ptr<c10d::Store> store_;
+  static constexpr int kKinds = 4;
+  std::array<std::string, kKinds> names_;
+  std::array<std::vector<int64_t>, kKinds> ranks_;
+  std::array<c10::intrusive_ptr<c10d::ProcessGroup>, kKinds> groups_;
+};
+
+}  // namespace megatorch::parallel
