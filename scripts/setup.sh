@@ -33,7 +33,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   mt_log "installing requirements.txt into .venv (first time: several GB of CUDA wheels)"
   "$MT_VENV/bin/pip" install -q -r "$MT_ROOT/requirements.txt"
   # Editable: `import megatorch` works from any directory and finds build/lib.
-  "$MT_VENV/bin/pip" install -q --no-build-isolation --no-deps -e "$MT_ROOT/torch_ext"
+  "$MT_VENV/bin/pip" install -q --no-deps -e "$MT_ROOT/torch_ext"
   echo "$want" > "$stamp"
 fi
 "$MT_VENV/bin/python" -c "import torch; print('[megatorch] torch', torch.__version__, 'cuda', torch.version.cuda)"

@@ -184,7 +184,8 @@ Work Group::reduce_scatter_async(const at::Tensor& input, int64_t dim, ReduceOp 
   std::vector<at::Tensor> bufs{buf};
   auto work = pg_->allreduce(bufs, opts);
   const int64_t start = rank_ * chunk;
-  return Work(work, info, [buf, dim, start, chunk]() { return buf.narrow(dim, start, chunk).contiguous(); });
+  // A fresh tensor, not a view into buf: results never carry a storage offset.
+  return Work(work, info, [buf, dim, start, chunk]() { return buf.narrow(dim, start, chunk).clone(at::MemoryFormat::Contiguous); });
 }
 
 at::Tensor Group::reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op) {

@@ -1,0 +1,92 @@
+// Group collectives on the world group, checked exactly with rank-valued inputs.
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include "mp_util.h"
+
+using megatorch::comm::CommOp;
+using megatorch::comm::Group;
+using megatorch::comm::ReduceOp;
+using megatorch::parallel::GroupKind;
+
+TEST_CASE("all_reduce sum, avg and max", "[mp]") {
+  auto st = mp::state(1, 1, "grp_ar");
+  Group g(*st, GroupKind::kWorld);
+  const int64_t n = g.size(), r = g.rank();
+  g.reset_stats();
+  auto x = torch::full({3, 5}, static_cast<double>(r));
+  g.all_reduce(x);
+  CHECK(torch::equal(x, torch::full({3, 5}, n * (n - 1) / 2.0)));
+  auto y = torch::full({4}, static_cast<double>(r + 1));
+  g.all_reduce(y, ReduceOp::kAvg);  // Gloo has no AVG: emulated, must still be exact
+  CHECK(torch::allclose(y, torch::full({4}, (n + 1) / 2.0), 0, 0));
+  auto z = torch::full({2}, static_cast<double>(r * 7 % 5));
+  double mx = 0;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(i * 7 % 5));
+  g.all_reduce(z, ReduceOp::kMax);
+  CHECK(torch::equal(z, torch::full({2}, mx)));
+  // A non-contiguous tensor is reduced and written back in place.
+  auto base = torch::full({4, 6}, static_cast<double>(r));
+  auto view = base.t();
+  g.all_reduce(view);
+  CHECK(torch::equal(base, torch::full({4, 6}, n * (n - 1) / 2.0)));
+  const auto s = g.stats()[CommOp::kAllReduce];
+  CHECK(s.calls == 4);
+  CHECK(s.bytes == (15 + 4 + 2 + 24) * 4);
+  auto ints = torch::ones({2}, torch::kLong);
+  CHECK_THROWS_WITH(g.all_reduce(ints, ReduceOp::kAvg), Catch::Contains("floating-point"));
+}
+
+TEST_CASE("all_gather and reduce_scatter along any dim", "[mp]") {
+  auto st = mp::state(1, 1, "grp_ag");
+  Group g(*st, GroupKind::kWorld);
+  const int64_t n = g.size(), r = g.rank();
+  g.reset_stats();
+  auto x = torch::full({2, 3}, static_cast<double>(r));
+  for (int64_t dim : {0, 1, -1}) {
+    auto out = g.all_gather(x, dim);
+    const int64_t d = dim < 0 ? dim + 2 : dim;
+    REQUIRE(out.size(d) == x.size(d) * n);
+    for (int64_t i = 0; i < n; ++i) CHECK(torch::equal(out.narrow(d, i * x.size(d), x.size(d)), torch::full_like(x, i)));
+  }
+  CHECK(g.stats()[CommOp::kAllGather].bytes == 3 * 6 * 4);  // the local shard, per call
+  // Row i of rank r holds i + 100 r: the reduced chunk of rank r is sum over ranks.
+  auto rows = torch::arange(2 * n, torch::kDouble).unsqueeze(1).expand({2 * n, 3}) + 100.0 * r;
+  auto mine = g.reduce_scatter(rows, 0);
+  auto expect = torch::arange(2 * r, 2 * r + 2, torch::kDouble).unsqueeze(1).expand({2, 3}) * n + 100.0 * n * (n - 1) / 2;
+  CHECK(torch::equal(mine, expect));
+  auto cols = rows.t().contiguous();
+  CHECK(torch::equal(g.reduce_scatter(cols, 1), expect.t()));
+  auto avg = g.reduce_scatter(rows, 0, ReduceOp::kAvg);
+  CHECK(torch::allclose(avg, expect / n, 1e-12, 0));
+  CHECK(g.stats()[CommOp::kReduceScatter].calls == 3);
+  CHECK(g.stats()[CommOp::kReduceScatter].bytes == 3 * rows.numel() * 8);  // the full input, per call
+  if (n > 1) {
+    CHECK_THROWS_WITH(g.reduce_scatter(torch::ones({2 * n + 1, 2}), 0),
+                      Catch::Contains("divisible by the group size"));
+  }
+}
+
+TEST_CASE("broadcast, send/recv ring, barrier, async handles", "[mp]") {
+  auto st = mp::state(1, 1, "grp_p2p");
+  Group g(*st, GroupKind::kWorld);
+  const int64_t n = g.size(), r = g.rank();
+  g.reset_stats();
+  auto b = torch::full({5}, r == n - 1 ? 42.0 : -1.0);
+  g.broadcast(b, n - 1);
+  CHECK(torch::equal(b, torch::full({5}, 42.0)));
+  // Ring: each rank sends its rank to the next. Post the receive first (non-blocking).
+  auto inbox = torch::empty({3});
+  auto recv = g.recv_async(inbox, (r + n - 1) % n);
+  auto send = g.send_async(torch::full({3}, static_cast<double>(r)), (r + 1) % n);
+  send.wait();
+  CHECK(torch::equal(recv.wait(), torch::full({3}, static_cast<double>((r + n - 1) % n))));
+  auto x = torch::ones({8});
+  auto work = g.all_reduce_async(x);
+  CHECK(torch::equal(work.wait(), torch::full({8}, static_cast<double>(n))));
+  CHECK(work.is_completed());
+  g.barrier();
+  CHECK(g.stats()[CommOp::kSend].bytes == 12);
+  CHECK(g.stats()[CommOp::kRecv].bytes == 12);
+  CHECK_THROWS_WITH(g.send(x, r), Catch::Contains("other than this rank"));
+}

@@ -1,0 +1,83 @@
+#include <catch2/catch.hpp>
+#include <megatorch/parallel/rank_layout.h>
+
+#include <set>
+
+using megatorch::parallel::GroupKind;
+using megatorch::parallel::RankCoord;
+using megatorch::parallel::RankLayout;
+using Groups = std::vector<std::vector<int64_t>>;
+
+TEST_CASE("Megatron's rank order for world 16, tp 2, pp 4", "[layout]") {
+  RankLayout layout(16, 2, 4);
+  CHECK(layout.dp_size() == 2);
+  CHECK(layout.groups(GroupKind::kTensor) ==
+        Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}, {12, 13}, {14, 15}});
+  CHECK(layout.groups(GroupKind::kData) ==
+        Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}});
+  CHECK(layout.groups(GroupKind::kPipeline) == Groups{{0, 4, 8, 12}, {1, 5, 9, 13}, {2, 6, 10, 14}, {3, 7, 11, 15}});
+  CHECK(layout.groups(GroupKind::kWorld).size() == 1);
+  CHECK(layout.coord(13) == RankCoord{1, 0, 3});
+  CHECK(layout.rank_of(RankCoord{1, 1, 2}) == 11);
+}
+
+// Every (world <= 1024, tp, pp) with tp * pp dividing world: each rank is in exactly one
+// group of each kind, groups have the kind's size, members differ only in the kind's
+// coordinate, and groups of different kinds meet in at most one rank (orthogonal).
+TEST_CASE("rank layout invariants for every valid world <= 1024", "[layout]") {
+  const GroupKind kinds[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline};
+  int64_t layouts = 0;
+  // Plain bools inside the loops (tens of millions of checks); one REQUIRE per layout
+  // names the layout that broke.
+  for (int64_t world = 1; world <= 1024; ++world) {
+    for (int64_t tp = 1; tp <= world; ++tp) {
+      if (world % tp) continue;
+      for (int64_t pp = 1; pp <= world / tp; ++pp) {
+        if ((world / tp) % pp) continue;
+        ++layouts;
+        RankLayout layout(world, tp, pp);
+        bool ok = true;
+        std::vector<std::vector<int64_t>> index_of(3, std::vector<int64_t>(world, -1));
+        for (int k = 0; k < 3; ++k) {
+          const auto groups = layout.groups(kinds[k]);
+          ok &= static_cast<int64_t>(groups.size()) * layout.size(kinds[k]) == world;
+          for (size_t g = 0; g < groups.size(); ++g) {
+            ok &= static_cast<int64_t>(groups[g].size()) == layout.size(kinds[k]);
+            const RankCoord first = layout.coord(groups[g][0]);
+            for (int64_t r : groups[g]) {
+              ok &= index_of[k][r] == -1;  // in no other group of this kind
+              index_of[k][r] = static_cast<int64_t>(g);
+              ok &= layout.group_index(kinds[k], r) == static_cast<int64_t>(g);
+              const RankCoord c = layout.coord(r);
+              ok &= layout.rank_of(c) == r;
+              ok &= kinds[k] == GroupKind::kTensor || c.tp == first.tp;
+              ok &= kinds[k] == GroupKind::kData || c.dp == first.dp;
+              ok &= kinds[k] == GroupKind::kPipeline || c.pp == first.pp;
+            }
+          }
+        }
+        for (int a = 0; a < 3; ++a) {
+          for (int b = a + 1; b < 3; ++b) {
+            std::set<std::pair<int64_t, int64_t>> seen;
+            for (int64_t r = 0; r < world; ++r) {
+              ok &= index_of[a][r] >= 0;
+              ok &= seen.insert({index_of[a][r], index_of[b][r]}).second;  // groups meet in <= 1 rank
+            }
+          }
+        }
+        INFO("world " << world << ", tp " << tp << ", pp " << pp);
+        REQUIRE(ok);
+      }
+    }
+  }
+  CHECK(layouts > 20000);
+}
+
+TEST_CASE("bad layouts fail with what was expected and what was given", "[layout]") {
+  CHECK_THROWS_WITH(RankLayout(6, 4, 1), Catch::Contains("divisible") && Catch::Contains("got world size 6"));
+  CHECK_THROWS_WITH(RankLayout(8, 2, 3), Catch::Contains("2 x 3 = 6"));
+  CHECK_THROWS_WITH(RankLayout(8, 0, 1), Catch::Contains("tensor-model-parallel-size >= 1, got 0"));
+  CHECK_THROWS_WITH(RankLayout(8, 1, -2), Catch::Contains("pipeline-model-parallel-size >= 1, got -2"));
+  CHECK_THROWS_WITH(RankLayout(0, 1, 1), Catch::Contains("world size >= 1"));
+  CHECK_THROWS_WITH(RankLayout(4, 2, 1).coord(4), Catch::Contains("rank in [0, 4)"));
+}
