@@ -9,5 +9,17 @@ start=$(date +%s)
 cd "$MT_BUILD"
 export OMP_NUM_THREADS=1
 mt_log "running CTest"
-ctest --output-on-failure --timeout 900 "$@"
+status=0
+ctest --output-on-failure --timeout 900 "$@" 2>&1 | tee ctest.out || status=$?  # pipefail: ctest's status
+# What each CTest entry ran inside (Catch2 test cases, pytest tests), from CTest's log.
+mt_log "inside each CTest test:"
+awk '/^[0-9]+\/[0-9]+ Testing: /{name=$3}
+     /All tests passed \(|test cases:|^[0-9]+ passed|passed, [0-9]+ skipped|[0-9]+ failed/{
+       line=$0; sub(/^\[default[0-9]+\]:/, "", line); sub(/ in [0-9.]+s.*$/, "", line); key=name line
+       if (!(key in seen)) { seen[key]=1; printf "  %-22s %s\n", name, line } }' \
+  Testing/Temporary/LastTest.log 2>/dev/null || true
 mt_log "setup + build + tests took $(( $(date +%s) - start )) s"
+total=$(sed -n 's/.*tests failed out of \([0-9]*\).*/\1/p' ctest.out | tail -1)
+failed=$(sed -n 's/.*, \([0-9]*\) tests failed out of.*/\1/p' ctest.out | tail -1)
+[[ -n "$total" ]] && echo "ctest: $(( total - failed )) passed, $failed failed"
+exit $status

@@ -3,6 +3,8 @@
 // torch.distributed.new_group in Python). It runs the collectives megatorch needs,
 // counts their bytes (comm_stats.h), and turns a failed or timed-out collective into an
 // error that names the group, the operation and its sequence number.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <ATen/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -14,10 +16,6 @@
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/parallel/parallel_state.h"
 
-namespace c10d {
-class ProcessGroup;
-class Work;
-}  // namespace c10d
 
 namespace megatorch::comm {
 

@@ -4,6 +4,8 @@
 // group is a c10d ProcessGroup registered by name ("<name>.tp", "<name>.dp",
 // "<name>.pp", "<name>.world"), so operators and Python code find it by that name.
 // No process-wide "current" state: hold the object, pass it (or group names) down.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/arg.h>
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
@@ -15,10 +17,6 @@
 #include "megatorch/parallel/launch_env.h"
 #include "megatorch/parallel/rank_layout.h"
 
-namespace c10d {
-class Store;
-class ProcessGroup;
-}  // namespace c10d
 
 namespace megatorch::parallel {
 

@@ -2,15 +2,13 @@
 // Builds one c10d ProcessGroup over a store: Gloo serves CPU tensors, NCCL serves CUDA
 // tensors when asked for (the default backend is then NCCL). The group is not
 // registered; ParallelState does that.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
 #include <string>
 
-namespace c10d {
-class Store;
-class ProcessGroup;
-}  // namespace c10d
 
 namespace megatorch::parallel {
 
