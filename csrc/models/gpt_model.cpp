@@ -1,0 +1,152 @@
+#include "megatorch/models/gpt_model.h"
+
+#include <ATen/ATen.h>
+
+#include "megatorch/check.h"
+#include "megatorch/comm/group.h"
+#include "megatorch/tp/cross_entropy.h"
+#include "megatorch/tp/init.h"
+
+namespace megatorch::models {
+
+using comm::Mapping;
+using transformer::Positions;
+
+GPTModelImpl::GPTModelImpl(GPTModelOptions options_) : options(std::move(options_)) { reset(); }
+
+void GPTModelImpl::reset() {
+  const auto& c = options.config();
+  tp = tp::tp_info(options.group());
+  c.validate(tp.size);
+  const int64_t end = options.layer_end() < 0 ? c.num_layers() : options.layer_end();
+  MEGATORCH_CHECK(options.layer_begin() >= 0 && options.layer_begin() <= end && end <= c.num_layers(),
+                  "GPTModel: expected a layer range inside [0, ", c.num_layers(), "], got [", options.layer_begin(),
+                  ", ", end, "); a stage owns a contiguous slice of the model's layers");
+  options.layer_end(end);
+  if (!options.rng()) {
+    options.rng(std::make_shared<tp::RngTracker>());
+    options.rng()->seed(c.seed(), tp.rank, c.device());
+  }
+  const auto t = at::TensorOptions().dtype(c.params_dtype()).device(c.device());
+  torch::NoGradGuard no_grad;
+  if (options.pre_process()) {
+    embedding = register_module("embedding", tp::VocabParallelEmbedding(
+                                                 tp::VocabParallelEmbeddingOptions(c.vocab_size(), c.hidden_size())
+                                                     .make_vocab_size_divisible_by(c.make_vocab_size_divisible_by())
+                                                     .sequence_parallel(c.sequence_parallel())
+                                                     .group(options.group())
+                                                     .init(transformer::param_init(c, "embedding.word"))));
+    if (c.position_embedding_type() == Positions::kLearned) {
+      tp::ShardSpec full{{c.max_positions(), c.hidden_size()}, -1, 0, 1, 1};
+      position_embedding = register_parameter(
+          "position_embedding",
+          tp::init_shard(full, "embedding.position.weight", c.seed(), tp::InitMethod::kNormal, c.init_std()).to(t));
+    }
+  }
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = options.layer_begin(); i < end; ++i) {
+    layers->push_back(transformer::TransformerLayer(
+        transformer::TransformerLayerOptions(c).group(options.group()).layer_number(i).rng(options.rng())));
+  }
+  if (options.post_process()) {
+    final_norm = register_module("final_norm", transformer::Norm(transformer::NormOptions(c.hidden_size())
+                                                                     .kind(c.normalization())
+                                                                     .eps(c.norm_epsilon())
+                                                                     .bias(c.add_bias_linear())
+                                                                     .dtype(c.params_dtype())
+                                                                     .device(c.device())));
+    if (!c.tie_embeddings() || !options.pre_process()) {
+      // Untied: its own weight. Tied on a stage without the embedding: a copy drawn
+      // from the embedding's name (same numbers), kept in sync by the pipeline.
+      const int64_t vp = tp::padded_vocab_size(c.vocab_size(), tp.size, c.make_vocab_size_divisible_by());
+      const std::string name = c.tie_embeddings() ? "embedding.word.weight" : "output_layer.weight";
+      tp::ShardSpec full{{c.vocab_size(), c.hidden_size()}, -1, 0, 1, 1};
+      at::Tensor w = at::zeros({vp / tp.size, c.hidden_size()}, at::kFloat);
+      const int64_t start = tp.rank * (vp / tp.size);
+      const int64_t real = std::max<int64_t>(0, std::min(vp / tp.size, c.vocab_size() - start));
+      if (real > 0) {
+        w.narrow(0, 0, real).copy_(tp::init_shard(full, name, c.seed(), tp::InitMethod::kNormal, c.init_std())
+                                       .narrow(0, start, real));
+      }
+      output_layer = register_parameter("output_layer", w.to(t));
+    }
+  }
+  if (c.position_embedding_type() == Positions::kRope) {
+    rope_freqs_ = transformer::rope_frequencies(c.seq_length(), c.head_dim(), c.rotary_base(), c.device());
+  }
+}
+
+at::Tensor GPTModelImpl::output_weight() const {
+  return output_layer.defined() ? output_layer : embedding->weight;
+}
+
+at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
+  const auto& c = options.config();
+  MEGATORCH_CHECK(ids.dim() == 2 && ids.size(1) <= c.max_positions(), "GPTModel: expected token ids [b, s] with s <= ",
+                  c.max_positions(), ", got ", ids.sizes());
+  at::Tensor h = embedding->forward(ids.t());  // [s, b, h], or [s/tp, b, h] under SP
+  if (position_embedding.defined()) {
+    const int64_t s = h.size(0);
+    const int64_t first = c.sequence_parallel() ? tp.rank * s : 0;  // this rank's tokens
+    h = h + position_embedding.narrow(0, first, s).unsqueeze(1);
+  }
+  return transformer::hidden_dropout(h, c, is_training(), options.rng().get());
+}
+
+at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
+  const auto& c = options.config();
+  at::Tensor h = options.pre_process() ? embed(input) : input;
+  for (const auto& layer : *layers) h = layer->as<transformer::TransformerLayer>()->forward(h, rope_freqs_);
+  if (!options.post_process()) return h;
+  h = final_norm->forward(h);
+  // The head is a column-parallel layer over the vocabulary that keeps its output split.
+  h = tp::map_region(c.sequence_parallel() ? Mapping::kGatherFromSP : Mapping::kCopyToTP, h, options.group());
+  return at::linear(h, output_weight());
+}
+
+at::Tensor GPTModelImpl::per_token_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index) const {
+  return tp::vocab_parallel_cross_entropy(logits, labels.t(), options.group(), 0.0, ignore_index,
+                                          options.config().vocab_size());
+}
+
+at::Tensor GPTModelImpl::loss(const at::Tensor& ids, const at::Tensor& labels, int64_t ignore_index) {
+  MEGATORCH_CHECK(options.pre_process() && options.post_process(),
+                  "GPTModel::loss needs the whole model (pre_process and post_process); a pipeline stage calls "
+                  "forward and per_token_loss instead");
+  const at::Tensor per_token = per_token_loss(forward(ids), labels, ignore_index);
+  const at::Tensor count = (labels != ignore_index).sum().clamp_min(1).to(per_token.scalar_type());
+  return per_token.sum() / count;
+}
+
+std::vector<at::Tensor> GPTModelImpl::sequence_parallel_parameters() const {
+  std::vector<at::Tensor> out;
+  if (position_embedding.defined()) out.push_back(position_embedding);
+  for (const auto& layer : *layers) {
+    for (const auto& p : layer->as<transformer::TransformerLayer>()->sequence_parallel_parameters()) out.push_back(p);
+  }
+  if (final_norm) {
+    out.push_back(final_norm->weight);
+    if (final_norm->bias.defined()) out.push_back(final_norm->bias);
+  }
+  return out;
+}
+
+void GPTModelImpl::allreduce_sequence_parallel_grads() {
+  if (!options.config().sequence_parallel() || tp.size == 1) return;
+  std::vector<at::Tensor> grads, flat_views;
+  for (const auto& p : sequence_parallel_parameters()) {
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    flat_views.push_back(p.grad().reshape(-1));
+  }
+  if (grads.empty()) return;
+  at::Tensor flat = at::cat(flat_views);
+  comm::Group(options.group()).all_reduce(flat);
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
+}
+
+}  // namespace megatorch::models

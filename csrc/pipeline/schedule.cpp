@@ -1,0 +1,172 @@
+#include "megatorch/pipeline/schedule.h"
+
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+
+#include "megatorch/check.h"
+
+namespace megatorch::pipeline {
+
+const char* action_kind_name(ActionKind kind) {
+  switch (kind) {
+    case ActionKind::kForward: return "forward";
+    case ActionKind::kBackward: return "backward";
+    case ActionKind::kBackwardInput: return "backward_input";
+    case ActionKind::kBackwardWeight: return "backward_weight";
+    case ActionKind::kSendActivation: return "send_activation";
+    case ActionKind::kRecvActivation: return "recv_activation";
+    case ActionKind::kSendGrad: return "send_grad";
+    case ActionKind::kRecvGrad: return "recv_grad";
+  }
+  return "?";
+}
+
+bool is_compute(ActionKind kind) {
+  return kind == ActionKind::kForward || kind == ActionKind::kBackward ||
+         kind == ActionKind::kBackwardInput || kind == ActionKind::kBackwardWeight;
+}
+bool is_send(ActionKind kind) { return kind == ActionKind::kSendActivation || kind == ActionKind::kSendGrad; }
+bool is_recv(ActionKind kind) { return kind == ActionKind::kRecvActivation || kind == ActionKind::kRecvGrad; }
+
+std::string to_string(const Action& a) {
+  std::ostringstream os;
+  os << action_kind_name(a.kind) << "(mb " << a.microbatch << ", chunk " << a.chunk << ")";
+  if (is_send(a.kind)) os << " to rank " << a.peer;
+  if (is_recv(a.kind)) os << " from rank " << a.peer;
+  return os.str();
+}
+
+const char* schedule_kind_name(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kGPipe: return "gpipe";
+    case ScheduleKind::kOneFOneB: return "1f1b";
+    case ScheduleKind::kInterleaved: return "interleaved";
+  }
+  return "?";
+}
+
+ScheduleKind parse_schedule_kind(const std::string& name) {
+  std::string s;
+  for (char c : name) s += c == '-' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "gpipe") return ScheduleKind::kGPipe;
+  if (s == "1f1b" || s == "one_f_one_b" || s == "pipedream_flush") return ScheduleKind::kOneFOneB;
+  MEGATORCH_CHECK(s == "interleaved" || s == "interleaved_1f1b",
+                  "expected a pipeline schedule named gpipe, 1f1b or interleaved, got '", name, "'");
+  return ScheduleKind::kInterleaved;
+}
+
+void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {
+  MEGATORCH_CHECK(p >= 1, "expected --pipeline-model-parallel-size >= 1, got ", p);
+  MEGATORCH_CHECK(m >= 1, "expected --num-microbatches >= 1, got ", m);
+  MEGATORCH_CHECK(v >= 1, "expected --virtual-pipeline-model-parallel-size >= 1, got ", v);
+  MEGATORCH_CHECK(kind == ScheduleKind::kInterleaved || v == 1, "the ", schedule_kind_name(kind),
+                  " schedule runs one model chunk per rank: expected "
+                  "--virtual-pipeline-model-parallel-size 1, got ",
+                  v, "; use --schedule interleaved for ", v, " chunks per rank");
+  if (kind == ScheduleKind::kInterleaved && m % p != 0) {
+    const int64_t below = m / p * p, above = below + p;
+    std::ostringstream nearest;
+    if (below > 0) nearest << below << " or ";
+    nearest << above;
+    MEGATORCH_FAIL("the interleaved schedule runs micro-batches in groups of "
+                   "--pipeline-model-parallel-size: expected --num-microbatches to be a multiple of ",
+                   p, ", got ", m, "; use ", nearest.str(), " micro-batches, or the 1f1b schedule");
+  }
+}
+
+namespace {
+
+struct Compute {
+  bool forward;
+  int64_t microbatch;
+  int64_t chunk;
+};
+
+// GPipe: every forward, then every backward, both in micro-batch order.
+std::vector<Compute> gpipe_order(int64_t m) {
+  std::vector<Compute> order;
+  for (int64_t i = 0; i < m; ++i) order.push_back({true, i, 0});
+  for (int64_t i = 0; i < m; ++i) order.push_back({false, i, 0});
+  return order;
+}
+
+// PipeDream-Flush as in Megatron's forward_backward_pipelining_without_interleaving:
+// stage r runs p-r-1 warm-up forwards so that, in steady state, the backward it needs
+// next arrives just as it finishes a forward; at most p-r activations are held.
+std::vector<Compute> one_f_one_b_order(int64_t p, int64_t m, int64_t rank) {
+  const int64_t warmup = std::min(p - rank - 1, m);
+  std::vector<Compute> order;
+  for (int64_t i = 0; i < warmup; ++i) order.push_back({true, i, 0});
+  for (int64_t i = 0; i < m - warmup; ++i) {
+    order.push_back({true, warmup + i, 0});
+    order.push_back({false, i, 0});
+  }
+  for (int64_t i = m - warmup; i < m; ++i) order.push_back({false, i, 0});
+  return order;
+}
+
+// Megatron's forward_backward_pipelining_with_interleaving. The k-th forward (of m*v) on
+// a rank belongs to group k / (p*v) of p micro-batches; within a group the rank runs
+// chunk 0 on the p micro-batches, then chunk 1, ...; backwards walk the chunks in reverse.
+// Warm-up is 2(p-r-1) + (v-1)p forwards (all of them when m == p), then 1F1B, cool-down.
+std::vector<Compute> interleaved_order(int64_t p, int64_t m, int64_t v, int64_t rank) {
+  const int64_t total = m * v;
+  const int64_t warmup =
+      m == p ? total : std::min((p - rank - 1) * 2 + (v - 1) * p, total);
+  auto at = [&](int64_t k, bool forward) {
+    const int64_t in_group = k % (p * v);
+    const int64_t chunk = in_group / p;
+    return Compute{forward, k / (p * v) * p + in_group % p, forward ? chunk : v - 1 - chunk};
+  };
+  std::vector<Compute> order;
+  for (int64_t k = 0; k < warmup; ++k) order.push_back(at(k, true));
+  for (int64_t k = 0; k < total - warmup; ++k) {
+    order.push_back(at(warmup + k, true));
+    order.push_back(at(k, false));
+  }
+  for (int64_t k = total - warmup; k < total; ++k) order.push_back(at(k, false));
+  return order;
+}
+
+}  // namespace
+
+std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
+  check_schedule_args(kind, p, m, v);
+  MEGATORCH_CHECK(rank >= 0 && rank < p, "expected a pipeline rank in [0, ", p, "), got ", rank);
+  std::vector<Compute> order;
+  switch (kind) {
+    case ScheduleKind::kGPipe: order = gpipe_order(m); break;
+    case ScheduleKind::kOneFOneB: order = one_f_one_b_order(p, m, rank); break;
+    case ScheduleKind::kInterleaved: order = interleaved_order(p, m, v, rank); break;
+  }
+  // The transfers each compute implies; a neighbour on this same rank needs none.
+  const int64_t last = p * v - 1;
+  std::vector<Action> actions;
+  actions.reserve(order.size() * 3);
+  for (const Compute& c : order) {
+    const int64_t s = virtual_stage(c.chunk, rank, p);
+    const int64_t prev = s > 0 ? rank_of_virtual_stage(s - 1, p) : rank;
+    const int64_t next = s < last ? rank_of_virtual_stage(s + 1, p) : rank;
+    if (c.forward) {
+      if (prev != rank) actions.push_back({ActionKind::kRecvActivation, c.microbatch, c.chunk, prev});
+      actions.push_back({ActionKind::kForward, c.microbatch, c.chunk, -1});
+      if (next != rank) actions.push_back({ActionKind::kSendActivation, c.microbatch, c.chunk, next});
+    } else {
+      if (next != rank) actions.push_back({ActionKind::kRecvGrad, c.microbatch, c.chunk, next});
+      actions.push_back({ActionKind::kBackward, c.microbatch, c.chunk, -1});
+      if (prev != rank) actions.push_back({ActionKind::kSendGrad, c.microbatch, c.chunk, prev});
+    }
+  }
+  return actions;
+}
+
+std::vector<std::vector<Action>> build_schedules(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {
+  check_schedule_args(kind, p, m, v);
+  std::vector<std::vector<Action>> all;
+  all.reserve(p);
+  for (int64_t r = 0; r < p; ++r) all.push_back(build_schedule(kind, p, m, v, r));
+  return all;
+}
+
+}  // namespace megatorch::pipeline

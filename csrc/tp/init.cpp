@@ -1,0 +1,57 @@
+#include "megatorch/tp/init.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "megatorch/check.h"
+
+namespace megatorch::tp {
+
+uint64_t name_seed(int64_t seed, const std::string& name, int64_t salt) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t byte) {
+    h ^= byte;
+    h *= 1099511628211ULL;
+  };
+  for (int i = 0; i < 8; ++i) mix((static_cast<uint64_t>(seed) >> (8 * i)) & 0xff);
+  for (unsigned char c : name) mix(c);
+  for (int i = 0; i < 8; ++i) mix((static_cast<uint64_t>(salt) >> (8 * i)) & 0xff);
+  return h;
+}
+
+std::vector<int64_t> shard_shape(const ShardSpec& spec) {
+  std::vector<int64_t> shape = spec.full_shape;
+  if (spec.partition_dim < 0) return shape;
+  MEGATORCH_CHECK(spec.partition_dim < static_cast<int64_t>(shape.size()), "expected partition dim < ",
+                  shape.size(), ", got ", spec.partition_dim);
+  const int64_t size = shape[spec.partition_dim];
+  MEGATORCH_CHECK(size % (spec.world * spec.parts) == 0, "expected dim ", spec.partition_dim, " of size ", size,
+                  " to be divisible by tensor-parallel size x parts = ", spec.world, " x ", spec.parts,
+                  "; choose sizes that the tensor-parallel size divides");
+  shape[spec.partition_dim] = size / spec.world;
+  return shape;
+}
+
+at::Tensor slice_for_rank(const at::Tensor& full, const ShardSpec& spec) {
+  if (spec.partition_dim < 0 || spec.world == 1) return full;
+  shard_shape(spec);  // validates
+  std::vector<at::Tensor> pieces;
+  for (const auto& block : full.chunk(spec.parts, spec.partition_dim)) {
+    pieces.push_back(block.chunk(spec.world, spec.partition_dim)[spec.rank]);
+  }
+  return at::cat(pieces, spec.partition_dim).contiguous();
+}
+
+at::Tensor init_shard(const ShardSpec& spec, const std::string& name, int64_t seed, InitMethod method, double std,
+                      bool shard_local) {
+  const auto local = shard_shape(spec);
+  if (method == InitMethod::kZeros) return at::zeros(local, at::kFloat);
+  if (method == InitMethod::kOnes) return at::ones(local, at::kFloat);
+  const bool sharded = spec.partition_dim >= 0 && spec.world > 1;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, name, shard_local && sharded ? spec.rank + 1 : 0));
+  if (shard_local && sharded) return at::normal(0.0, std, local, gen, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor full = at::normal(0.0, std, spec.full_shape, gen, at::TensorOptions().dtype(at::kFloat));
+  return slice_for_rank(full, spec);
+}
+
+}  // namespace megatorch::tp

@@ -1,0 +1,101 @@
+#include "megatorch/transformer/attention.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "megatorch/check.h"
+#include "megatorch/transformer/recompute.h"
+
+namespace megatorch::transformer {
+
+at::Tensor rope_frequencies(int64_t seq_length, int64_t head_dim, double base, c10::Device device) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  const at::Tensor inv = 1.0 / at::pow(base, at::arange(0, head_dim, 2, opts.dtype(at::kDouble)) / head_dim);
+  const at::Tensor angles = at::outer(at::arange(seq_length, opts.dtype(at::kDouble)), inv);
+  return at::cat({angles, angles}, -1).to(at::kFloat).view({seq_length, 1, 1, head_dim});
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs) {
+  const int64_t r = freqs.size(-1), d = x.size(-1);
+  MEGATORCH_CHECK(r <= d && r % 2 == 0, "apply_rope: expected an even rotary dim <= head dim ", d, ", got ", r);
+  const at::Tensor rot = x.narrow(-1, 0, r);
+  const at::Tensor x1 = rot.narrow(-1, 0, r / 2), x2 = rot.narrow(-1, r / 2, r / 2);
+  const at::Tensor rotated = at::cat({-x2, x1}, -1);
+  const at::Tensor out = (rot * freqs.cos() + rotated * freqs.sin()).to(x.scalar_type());
+  return r == d ? out : at::cat({out, x.narrow(-1, r, d - r)}, -1);
+}
+
+ParallelAttentionImpl::ParallelAttentionImpl(ParallelAttentionOptions options_) : options(std::move(options_)) {
+  reset();
+}
+
+void ParallelAttentionImpl::reset() {
+  const auto& c = options.config();
+  const int64_t tp = tp::tp_info(options.group()).size;
+  c.validate(tp);
+  local_heads = c.num_attention_heads() / tp;
+  local_groups = c.query_groups() / tp;
+  const int64_t d = c.head_dim();
+  // The fused QKV weight is laid out group by group — [q heads of the group, k, v] —
+  // so a contiguous slice of its rows holds whole key/value groups with their queries.
+  const int64_t qkv_out = (c.num_attention_heads() + 2 * c.query_groups()) * d;
+  qkv = register_module("qkv", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden_size(), qkv_out)
+                                                              .bias(c.add_bias_linear())
+                                                              .sequence_parallel(c.sequence_parallel())
+                                                              .group(options.group())
+                                                              .init(param_init(c, options.name() + ".qkv"))));
+  proj = register_module("proj", tp::RowParallelLinear(tp::RowParallelLinearOptions(c.num_attention_heads() * d,
+                                                                                     c.hidden_size())
+                                                           .bias(c.add_bias_linear())
+                                                           .input_is_parallel(true)
+                                                           .sequence_parallel(c.sequence_parallel())
+                                                           .group(options.group())
+                                                           .init(param_init(c, options.name() + ".proj"))));
+}
+
+at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto& c = options.config();
+  // SDPA wants [b, heads, s, d].
+  const at::Tensor qb = q.permute({1, 2, 0, 3}), kb = k.permute({1, 2, 0, 3}), vb = v.permute({1, 2, 0, 3});
+  const double p = is_training() ? c.attention_dropout() : 0.0;
+  at::Tensor out;
+  {
+    // Each TP rank holds other heads: its attention dropout draws from its own stream.
+    c10::optional<tp::RngTracker::Fork> fork;
+    if (p > 0 && options.rng()) fork.emplace(*options.rng(), tp::kModelParallelRng);
+    out = at::scaled_dot_product_attention(qb, kb, vb, c10::nullopt, p, /*is_causal=*/true,
+                                           1.0 / std::sqrt(static_cast<double>(c.head_dim())),
+                                           /*enable_gqa=*/local_groups != local_heads);
+  }
+  const int64_t b = out.size(0), s = out.size(2);
+  return out.permute({2, 0, 1, 3}).reshape({s, b, local_heads * c.head_dim()});
+}
+
+at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
+  const auto& c = options.config();
+  const int64_t d = c.head_dim(), per_group = local_heads / local_groups;
+  const at::Tensor mixed = qkv->forward(x);  // [s, b, groups*(per_group+2)*d]
+  const int64_t s = mixed.size(0), b = mixed.size(1);
+  const at::Tensor grouped = mixed.view({s, b, local_groups, per_group + 2, d});
+  at::Tensor q = grouped.narrow(3, 0, per_group).reshape({s, b, local_heads, d});
+  at::Tensor k = grouped.select(3, per_group);
+  at::Tensor v = grouped.select(3, per_group + 1);
+  if (rope_freqs.defined()) {
+    q = apply_rope(q, rope_freqs);
+    k = apply_rope(k, rope_freqs);
+  }
+  at::Tensor context;
+  if (c.recompute() == Recompute::kSelective && is_training()) {
+    // Selective recomputation: keep q, k, v; replay softmax, dropout and the products.
+    context = checkpoint([this](const torch::autograd::variable_list& in) {
+                return torch::autograd::variable_list{core_attention(in[0], in[1], in[2])};
+              },
+              {q, k, v}, options.rng().get())[0];
+  } else {
+    context = core_attention(q, k, v);
+  }
+  return proj->forward(context);
+}
+
+}  // namespace megatorch::transformer

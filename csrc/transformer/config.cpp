@@ -1,0 +1,70 @@
+#include "megatorch/transformer/config.h"
+
+#include "megatorch/check.h"
+
+namespace megatorch::transformer {
+
+int64_t TransformerConfig::ffn() const {
+  if (ffn_hidden_size_ > 0) return ffn_hidden_size_;
+  if (activation_ == Activation::kSwiGLU) return (8 * hidden_size_ / 3 + 63) / 64 * 64;
+  return 4 * hidden_size_;
+}
+
+void TransformerConfig::validate(int64_t tp) const {
+  const int64_t heads = num_attention_heads_, groups = query_groups();
+  MEGATORCH_CHECK(hidden_size_ >= 1 && heads >= 1 && num_layers_ >= 1 && seq_length_ >= 1 && vocab_size_ >= 1,
+                  "expected positive hidden_size, num_attention_heads, num_layers, seq_length and vocab_size, got ",
+                  hidden_size_, ", ", heads, ", ", num_layers_, ", ", seq_length_, ", ", vocab_size_);
+  MEGATORCH_CHECK(hidden_size_ % heads == 0, "expected hidden_size (", hidden_size_,
+                  ") to be divisible by num_attention_heads (", heads, ")");
+  MEGATORCH_CHECK(heads % groups == 0, "expected num_attention_heads (", heads,
+                  ") to be divisible by num_query_groups (", groups, ")");
+  MEGATORCH_CHECK(heads % tp == 0, "expected num_attention_heads (", heads,
+                  ") to be divisible by the tensor-parallel size (", tp, "); pick a tp that divides the heads");
+  MEGATORCH_CHECK(groups % tp == 0, "expected num_query_groups (", groups,
+                  ") to be divisible by the tensor-parallel size (", tp, "); GQA shards whole key/value heads");
+  MEGATORCH_CHECK(hidden_size_ % tp == 0, "expected hidden_size (", hidden_size_,
+                  ") to be divisible by the tensor-parallel size (", tp, ")");
+  MEGATORCH_CHECK(ffn() % tp == 0, "expected ffn_hidden_size (", ffn(), ") to be divisible by the tensor-parallel size (",
+                  tp, ")");
+  MEGATORCH_CHECK(!sequence_parallel_ || seq_length_ % tp == 0, "expected seq_length (", seq_length_,
+                  ") to be divisible by the tensor-parallel size (", tp, ") with sequence parallelism");
+  MEGATORCH_CHECK(position_embedding_type_ != Positions::kRope || head_dim() % 2 == 0,
+                  "expected an even head dim for RoPE, got ", head_dim());
+  MEGATORCH_CHECK(max_positions() >= seq_length_, "expected max_position_embeddings (", max_positions(),
+                  ") >= seq_length (", seq_length_, ")");
+  MEGATORCH_CHECK(attention_dropout_ >= 0 && attention_dropout_ < 1 && hidden_dropout_ >= 0 && hidden_dropout_ < 1,
+                  "expected dropout probabilities in [0, 1), got attention ", attention_dropout_, ", hidden ",
+                  hidden_dropout_);
+}
+
+tp::ParamInitOptions param_init(const TransformerConfig& c, const std::string& name) {
+  return tp::ParamInitOptions()
+      .name(name)
+      .seed(c.seed())
+      .std(c.init_std())
+      .shard_local(c.shard_local_init())
+      .dtype(c.params_dtype())
+      .device(c.device());
+}
+
+const char* to_string(Normalization n) { return n == Normalization::kLayerNorm ? "LayerNorm" : "RMSNorm"; }
+const char* to_string(Activation a) { return a == Activation::kGeluTanh ? "gelu_tanh" : "swiglu"; }
+const char* to_string(Positions p) { return p == Positions::kLearned ? "learned_absolute" : "rope"; }
+const char* to_string(Recompute r) {
+  switch (r) {
+    case Recompute::kNone: return "none";
+    case Recompute::kSelective: return "selective";
+    case Recompute::kFull: return "full";
+  }
+  return "?";
+}
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::kNone;
+  if (s == "selective") return Recompute::kSelective;
+  if (s == "full") return Recompute::kFull;
+  MEGATORCH_FAIL("expected recompute granularity 'none', 'selective' or 'full', got '", s, "'");
+}
+
+}  // namespace megatorch::transformer

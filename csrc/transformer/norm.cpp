@@ -1,0 +1,41 @@
+#include "megatorch/transformer/norm.h"
+
+#include <ATen/ATen.h>
+
+namespace megatorch::transformer {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor y = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (y * weight.to(at::kFloat)).to(x.scalar_type());
+}
+
+NormImpl::NormImpl(NormOptions options_) : options(std::move(options_)) { reset(); }
+
+void NormImpl::reset() {
+  const auto t = at::TensorOptions().dtype(options.dtype()).device(options.device());
+  weight = register_parameter("weight", at::empty({options.hidden()}, t));
+  if (options.kind() == Normalization::kLayerNorm && options.bias()) {
+    bias = register_parameter("bias", at::empty({options.hidden()}, t));
+  }
+  reset_parameters();
+}
+
+void NormImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  weight.fill_(1);
+  if (bias.defined()) bias.zero_();
+}
+
+void NormImpl::pretty_print(std::ostream& stream) const {
+  stream << "megatorch::transformer::" << to_string(options.kind()) << "(" << options.hidden()
+         << ", eps=" << options.eps() << ")";
+}
+
+at::Tensor NormImpl::forward(const at::Tensor& x) {
+  if (options.kind() == Normalization::kRMSNorm) return rms_norm(x, weight, options.eps());
+  // at::layer_norm accumulates in fp32 for reduced-precision inputs on CPU and CUDA.
+  return at::layer_norm(x, {options.hidden()}, weight, bias, options.eps());
+}
+
+}  // namespace megatorch::transformer

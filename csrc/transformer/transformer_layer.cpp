@@ -1,0 +1,71 @@
+#include "megatorch/transformer/transformer_layer.h"
+
+#include <ATen/ATen.h>
+
+#include "megatorch/transformer/recompute.h"
+
+namespace megatorch::transformer {
+
+at::Tensor hidden_dropout(const at::Tensor& x, const TransformerConfig& c, bool training, tp::RngTracker* rng) {
+  if (!training || c.hidden_dropout() == 0) return x;
+  c10::optional<tp::RngTracker::Fork> fork;
+  if (c.sequence_parallel() && rng) fork.emplace(*rng, tp::kModelParallelRng);
+  return at::dropout(x, c.hidden_dropout(), true);
+}
+
+TransformerLayerImpl::TransformerLayerImpl(TransformerLayerOptions options_) : options(std::move(options_)) {
+  reset();
+}
+
+void TransformerLayerImpl::reset() {
+  const auto& c = options.config();
+  const std::string name = "layers." + std::to_string(options.layer_number());
+  auto norm = [&c] {
+    return Norm(NormOptions(c.hidden_size())
+                    .kind(c.normalization())
+                    .eps(c.norm_epsilon())
+                    .bias(c.add_bias_linear())
+                    .dtype(c.params_dtype())
+                    .device(c.device()));
+  };
+  input_norm = register_module("input_norm", norm());
+  attention = register_module("attention", ParallelAttention(ParallelAttentionOptions(c)
+                                                                 .group(options.group())
+                                                                 .name(name + ".attention")
+                                                                 .rng(options.rng())));
+  post_attention_norm = register_module("post_attention_norm", norm());
+  mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(c).group(options.group()).name(name + ".mlp")));
+}
+
+at::Tensor TransformerLayerImpl::dropout_add(const at::Tensor& x, const at::Tensor& residual) {
+  return residual + hidden_dropout(x, options.config(), is_training(), options.rng().get());
+}
+
+at::Tensor TransformerLayerImpl::layer(const at::Tensor& x, const at::Tensor& rope_freqs) {
+  const at::Tensor h = dropout_add(attention->forward(input_norm->forward(x), rope_freqs), x);
+  return dropout_add(mlp->forward(post_attention_norm->forward(h)), h);
+}
+
+at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
+  if (options.config().recompute() == Recompute::kFull && is_training()) {
+    // Full recomputation keeps only the layer input (2·s·b·h bytes in 16-bit).
+    return checkpoint([this, rope_freqs](const torch::autograd::variable_list& in) {
+             return torch::autograd::variable_list{layer(in[0], rope_freqs)};
+           },
+           {x}, options.rng().get())[0];
+  }
+  return layer(x, rope_freqs);
+}
+
+std::vector<at::Tensor> TransformerLayerImpl::sequence_parallel_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& n : {input_norm, post_attention_norm}) {
+    out.push_back(n->weight);
+    if (n->bias.defined()) out.push_back(n->bias);
+  }
+  if (attention->proj->bias.defined()) out.push_back(attention->proj->bias);
+  if (mlp->fc2->bias.defined()) out.push_back(mlp->fc2->bias);
+  return out;
+}
+
+}  // namespace megatorch::transformer

@@ -1,0 +1,67 @@
+#pragma once
+// GPTModel: vocab-parallel embedding (+ learned positions), transformer layers, final
+// norm, output head (tied to the embedding or not) and the vocab-parallel loss, with
+// activations in Megatron's [s, b, h] layout. Built for a layer range, with or
+// without the embedding (pre_process) and the head (post_process), so a pipeline
+// stage owns a slice of the model with the same numbers as the whole.
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include "megatorch/tp/vocab_parallel_embedding.h"
+#include "megatorch/transformer/transformer_layer.h"
+
+namespace megatorch::models {
+
+struct GPTModelOptions {
+  explicit GPTModelOptions(transformer::TransformerConfig config) : config_(std::move(config)) {}
+  TORCH_ARG(transformer::TransformerConfig, config);
+  TORCH_ARG(std::string, group) = "";  // TP group name; "" for none
+  TORCH_ARG(int64_t, layer_begin) = 0;
+  TORCH_ARG(int64_t, layer_end) = -1;  // -1: config.num_layers
+  TORCH_ARG(bool, pre_process) = true;
+  TORCH_ARG(bool, post_process) = true;
+  // Dropout RNG streams; made and seeded from config.seed + tp rank when null.
+  TORCH_ARG(std::shared_ptr<tp::RngTracker>, rng) = nullptr;
+};
+
+class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
+ public:
+  explicit GPTModelImpl(GPTModelOptions options);
+  void reset() override;
+
+  // pre_process: token ids [b, s]; otherwise the previous stage's hidden states
+  // [s, b, h] ([s/tp, b, h] under SP). Returns hidden states, or with post_process
+  // this rank's logits shard [s, b, Vp/tp].
+  at::Tensor forward(const at::Tensor& input);
+  // Per-token loss [s, b] (fp32) from a logits shard and labels [b, s]; padded
+  // vocabulary columns are left out of the softmax, ignore_index tokens give 0.
+  at::Tensor per_token_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100) const;
+  // Mean loss over the non-ignored tokens of a batch.
+  at::Tensor loss(const at::Tensor& ids, const at::Tensor& labels, int64_t ignore_index = -100);
+
+  // Sums, over the TP group, the gradients that sequence parallelism leaves partial
+  // (norms, row-parallel biases, position embeddings) in one flat all-reduce. Call
+  // after backward, before clipping and the optimizer step. A no-op without SP.
+  void allreduce_sequence_parallel_grads();
+  std::vector<at::Tensor> sequence_parallel_parameters() const;
+
+  // The output layer's weight shard [Vp/tp, h] (the embedding's when tied).
+  at::Tensor output_weight() const;
+
+  GPTModelOptions options;
+  tp::VocabParallelEmbedding embedding{nullptr};
+  at::Tensor position_embedding;  // [max_positions, h], learned positions only
+  torch::nn::ModuleList layers{nullptr};
+  transformer::Norm final_norm{nullptr};
+  at::Tensor output_layer;  // [Vp/tp, h] when untied (or tied on a stage without the embedding)
+  tp::TPInfo tp;
+
+ private:
+  at::Tensor embed(const at::Tensor& ids);
+  at::Tensor rope_freqs_;
+};
+TORCH_MODULE(GPTModel);
+
+}  // namespace megatorch::models

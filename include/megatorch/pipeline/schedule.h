@@ -1,0 +1,84 @@
+#pragma once
+// Pipeline schedules as data. A schedule is a pure function of (stages p, micro-batches
+// m, virtual chunks v, rank) that returns the rank's ordered action list: compute and
+// the point-to-point transfers that compute implies. The simulator checks and times the
+// lists of all ranks without a model; the executor runs the same lists with c10d p2p.
+//
+// Model layout (Megatron's): the model is cut into p * v virtual stages; virtual stage
+// s = chunk * p + rank lives on rank s % p as its model chunk s / p. A micro-batch goes
+// forward through s = 0 .. p*v-1 and backward through s = p*v-1 .. 0.
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace megatorch::pipeline {
+
+enum class ActionKind : uint8_t {
+  kForward,
+  kBackward,        // input and weight gradients in one step (GPipe, 1F1B, interleaved)
+  kBackwardInput,   // zero-bubble split: input gradient only; it is what the previous stage waits for
+  kBackwardWeight,  // zero-bubble split: weight gradient, free to run later to fill bubbles
+  kSendActivation,  // forward output of (microbatch, chunk) to the next virtual stage
+  kRecvActivation,  // forward input of (microbatch, chunk) from the previous virtual stage
+  kSendGrad,        // input gradient of (microbatch, chunk) to the previous virtual stage
+  kRecvGrad,        // output gradient of (microbatch, chunk) from the next virtual stage
+};
+
+// "forward", "backward", "backward_input", "backward_weight", "send_activation", ...
+const char* action_kind_name(ActionKind kind);
+bool is_compute(ActionKind kind);  // forward and the backward kinds
+bool is_send(ActionKind kind);
+bool is_recv(ActionKind kind);
+
+struct Action {
+  ActionKind kind = ActionKind::kForward;
+  int64_t microbatch = 0;
+  // This rank's model chunk the action belongs to, for p2p too: a send carries the output
+  // of this chunk, a recv brings the input of this chunk. 0 unless interleaved.
+  int64_t chunk = 0;
+  int64_t peer = -1;  // the other rank of a send or recv; -1 for compute
+
+  bool operator==(const Action& o) const {
+    return kind == o.kind && microbatch == o.microbatch && chunk == o.chunk && peer == o.peer;
+  }
+  bool operator!=(const Action& o) const { return !(*this == o); }
+};
+
+// "forward(mb 3, chunk 1)", "send_grad(mb 0, chunk 0) to rank 2".
+std::string to_string(const Action& action);
+inline std::ostream& operator<<(std::ostream& os, const Action& a) { return os << to_string(a); }
+
+enum class ScheduleKind {
+  kGPipe,        // all forwards, then all backwards
+  kOneFOneB,     // PipeDream-Flush: warm-up forwards, one-forward-one-backward, cool-down
+  kInterleaved,  // Megatron's interleaved 1F1B over v model chunks per rank
+};
+
+// "gpipe", "1f1b", "interleaved": the spelling of the command-line flag.
+const char* schedule_kind_name(ScheduleKind kind);
+// Accepts those names, case-insensitively, and the aliases one_f_one_b, pipedream_flush
+// and interleaved_1f1b ('-' and '_' alike); anything else fails listing the valid names.
+ScheduleKind parse_schedule_kind(const std::string& name);
+
+// Megatron's placement of virtual stages on ranks.
+inline int64_t virtual_stage(int64_t chunk, int64_t rank, int64_t p) { return chunk * p + rank; }
+inline int64_t rank_of_virtual_stage(int64_t stage, int64_t p) { return stage % p; }
+inline int64_t chunk_of_virtual_stage(int64_t stage, int64_t p) { return stage / p; }
+
+// Throws unless p >= 1, m >= 1, v >= 1, v == 1 for gpipe and 1f1b, and m a multiple of p
+// for interleaved (Megatron's micro-batch groups of p).
+void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
+
+// The ordered actions of `rank` (0 <= rank < p). A forward is preceded by the receive of
+// its input and followed by the send of its output; a backward is preceded by the
+// receive of its output gradient and followed by the send of its input gradient. When
+// consecutive virtual stages share a rank (p == 1) the tensor stays local: no p2p.
+// Sends are meant to be posted asynchronously (isend): a rank never waits for its send
+// to be received, only a recv waits for the matching send.
+std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);
+
+// build_schedule for every rank 0 .. p-1.
+std::vector<std::vector<Action>> build_schedules(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
+
+}  // namespace megatorch::pipeline

@@ -1,0 +1,52 @@
+#pragma once
+// Y = X A^T + b with A split by rows (output features) across the TP group:
+// weight shard [out/tp, in], bias shard [out/tp]. Megatron's ColumnParallelLinear.
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "megatorch/tp/tp_group.h"
+
+namespace megatorch::tp {
+
+// input [s, b, in] (or [s/tp, b, in] with sequence_parallel) -> [s, b, out/tp], or
+// [s, b, out] with gather_output. Forward: f (or the SP all-gather), the local matmul.
+at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                  const std::string& group, bool gather_output = false, bool sequence_parallel = false);
+
+struct ColumnParallelLinearOptions {
+  ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(bool, gather_output) = false;
+  TORCH_ARG(bool, sequence_parallel) = false;
+  // Leave the bias out of forward so that a fused kernel can add it (read `bias`).
+  TORCH_ARG(bool, skip_bias_add) = false;
+  // TP group name; "" runs without tensor parallelism.
+  TORCH_ARG(std::string, group) = "";
+  // Fused weights made of equal blocks along the output dim (SwiGLU's [gate; up]: 2).
+  TORCH_ARG(int64_t, parts) = 1;
+  TORCH_ARG(ParamInitOptions, init) = {};
+};
+
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+ public:
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : ColumnParallelLinearImpl(ColumnParallelLinearOptions(in_features, out_features)) {}
+  explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+  at::Tensor forward(const at::Tensor& input);
+
+  ColumnParallelLinearOptions options;
+  at::Tensor weight;  // [out/tp, in]
+  at::Tensor bias;    // [out/tp] or undefined
+  TPInfo tp;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+}  // namespace megatorch::tp

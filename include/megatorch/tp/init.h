@@ -1,0 +1,39 @@
+#pragma once
+// Initialisation that gives the same numbers at every TP size: the full weight is
+// generated from a generator seeded by (seed, parameter name) and each rank keeps its
+// slice, so a TP=4 shard equals the matching slice of the TP=1 weight exactly.
+// `shard_local` instead draws only the shard (seeded by seed, name and rank): no full
+// tensor is ever allocated, for models too large for that, at the price of numbers
+// that depend on the TP size.
+#include <ATen/Tensor.h>
+
+#include <string>
+#include <vector>
+
+namespace megatorch::tp {
+
+enum class InitMethod { kNormal, kZeros, kOnes };
+
+struct ShardSpec {
+  std::vector<int64_t> full_shape;  // the unsharded parameter
+  int64_t partition_dim = -1;       // -1: replicated, the full tensor on every rank
+  int64_t rank = 0;
+  int64_t world = 1;
+  // A fused weight made of `parts` equal blocks along partition_dim (e.g. SwiGLU's
+  // [gate; up]) is sharded block by block: rank r keeps the r-th slice of each block.
+  int64_t parts = 1;
+};
+
+std::vector<int64_t> shard_shape(const ShardSpec& spec);
+
+// The shard of the full parameter `name` (fp32 on CPU; the caller casts and moves).
+at::Tensor init_shard(const ShardSpec& spec, const std::string& name, int64_t seed, InitMethod method,
+                      double std = 0.02, bool shard_local = false);
+
+// The rank's slice of a full tensor under `spec` (also used to check parity in tests).
+at::Tensor slice_for_rank(const at::Tensor& full, const ShardSpec& spec);
+
+// Stable 64-bit seed from (seed, name): FNV-1a, identical on every platform and rank.
+uint64_t name_seed(int64_t seed, const std::string& name, int64_t salt = 0);
+
+}  // namespace megatorch::tp

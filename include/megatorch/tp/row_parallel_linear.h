@@ -1,0 +1,49 @@
+#pragma once
+// Y = X A^T + b with A split by columns (input features) across the TP group:
+// weight shard [out, in/tp]; the bias is replicated and added once, after the reduction.
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "megatorch/tp/tp_group.h"
+
+namespace megatorch::tp {
+
+// input [s, b, in/tp] (input_is_parallel) or [s, b, in] -> [s, b, out], or
+// [s/tp, b, out] with sequence_parallel. Forward: the local matmul, then g (all-reduce)
+// or the SP reduce-scatter, then the bias.
+at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                               const std::string& group, bool input_is_parallel = true, bool sequence_parallel = false);
+
+struct RowParallelLinearOptions {
+  RowParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(bool, input_is_parallel) = true;
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(bool, skip_bias_add) = false;
+  TORCH_ARG(std::string, group) = "";
+  TORCH_ARG(ParamInitOptions, init) = {};
+};
+
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
+ public:
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : RowParallelLinearImpl(RowParallelLinearOptions(in_features, out_features)) {}
+  explicit RowParallelLinearImpl(RowParallelLinearOptions options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+  at::Tensor forward(const at::Tensor& input);
+
+  RowParallelLinearOptions options;
+  at::Tensor weight;  // [out, in/tp]
+  at::Tensor bias;    // [out], replicated across TP (its grad is reduced under SP)
+  TPInfo tp;
+};
+TORCH_MODULE(RowParallelLinear);
+
+}  // namespace megatorch::tp

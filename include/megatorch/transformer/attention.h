@@ -1,0 +1,49 @@
+#pragma once
+// ParallelAttention: QKV column-parallel, split by heads (each TP rank holds
+// heads/tp query heads and groups/tp key/value heads, MHA or GQA), causal
+// scaled-dot-product attention through at::scaled_dot_product_attention (flash
+// attention on GPUs), RoPE optional, output projection row-parallel.
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+
+#include "megatorch/tp/column_parallel_linear.h"
+#include "megatorch/tp/rng_tracker.h"
+#include "megatorch/tp/row_parallel_linear.h"
+#include "megatorch/transformer/config.h"
+
+namespace megatorch::transformer {
+
+// RoPE tables for positions [0, s): [s, 1, 1, d] angles (rotate-half convention).
+at::Tensor rope_frequencies(int64_t seq_length, int64_t head_dim, double base, c10::Device device);
+// x [s, b, heads, d] rotated by freqs [s, 1, 1, r], r <= d (the first r channels).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs);
+
+struct ParallelAttentionOptions {
+  explicit ParallelAttentionOptions(TransformerConfig config) : config_(std::move(config)) {}
+  TORCH_ARG(TransformerConfig, config);
+  TORCH_ARG(std::string, group) = "";
+  TORCH_ARG(std::string, name) = "attention";  // seeds the weights
+  TORCH_ARG(std::shared_ptr<tp::RngTracker>, rng) = nullptr;
+};
+
+class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl> {
+ public:
+  explicit ParallelAttentionImpl(ParallelAttentionOptions options);
+  void reset() override;
+  // x [s, b, h] ([s/tp, b, h] with sequence parallelism) -> same shape.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_freqs = {});
+  // softmax(QK^T/sqrt(d)) V for q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d];
+  // the part selective recomputation replays.
+  at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+  ParallelAttentionOptions options;
+  tp::ColumnParallelLinear qkv{nullptr};
+  tp::RowParallelLinear proj{nullptr};
+  int64_t local_heads = 0, local_groups = 0;
+};
+TORCH_MODULE(ParallelAttention);
+
+}  // namespace megatorch::transformer

@@ -1,0 +1,72 @@
+#pragma once
+// TransformerConfig: the one description of a GPT-style model, passed down to every
+// layer (Megatron-core's TransformerConfig). validate() checks it against a TP size.
+#include <torch/arg.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <string>
+
+#include "megatorch/tp/tp_group.h"
+
+namespace megatorch::transformer {
+
+enum class Normalization { kLayerNorm, kRMSNorm };
+enum class Activation { kGeluTanh, kSwiGLU };
+enum class Positions { kLearned, kRope };
+enum class Recompute { kNone, kSelective, kFull };
+
+struct TransformerConfig {
+  TORCH_ARG(int64_t, hidden_size) = 64;
+  TORCH_ARG(int64_t, num_attention_heads) = 4;
+  // Key/value heads (GQA); 0 means num_attention_heads (MHA). Must be divisible by tp.
+  TORCH_ARG(int64_t, num_query_groups) = 0;
+  // 0 means 4 * hidden_size (GeLU) or Llama's 8/3 * hidden rounded to 64 (SwiGLU).
+  TORCH_ARG(int64_t, ffn_hidden_size) = 0;
+  TORCH_ARG(int64_t, num_layers) = 2;
+  TORCH_ARG(int64_t, seq_length) = 32;
+  // Learned positions cover this many tokens; 0 means seq_length.
+  TORCH_ARG(int64_t, max_position_embeddings) = 0;
+  TORCH_ARG(int64_t, vocab_size) = 256;
+  TORCH_ARG(int64_t, make_vocab_size_divisible_by) = 128;
+  TORCH_ARG(Normalization, normalization) = Normalization::kLayerNorm;
+  TORCH_ARG(double, norm_epsilon) = 1e-5;
+  TORCH_ARG(Activation, activation) = Activation::kGeluTanh;
+  TORCH_ARG(Positions, position_embedding_type) = Positions::kLearned;
+  TORCH_ARG(double, rotary_base) = 10000.0;
+  TORCH_ARG(double, attention_dropout) = 0.0;
+  TORCH_ARG(double, hidden_dropout) = 0.0;
+  // Biases on the linear layers (and LayerNorm's beta).
+  TORCH_ARG(bool, add_bias_linear) = true;
+  TORCH_ARG(bool, tie_embeddings) = true;
+  // Split norm/dropout regions along the sequence across the TP group (Korthikanti).
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(Recompute, recompute) = Recompute::kNone;
+  TORCH_ARG(c10::ScalarType, params_dtype) = c10::kFloat;
+  TORCH_ARG(c10::Device, device) = c10::kCPU;
+  TORCH_ARG(double, init_std) = 0.02;
+  TORCH_ARG(int64_t, seed) = 1234;
+  // Draw each shard on its own (no full tensor) instead of slicing the full weight.
+  TORCH_ARG(bool, shard_local_init) = false;
+
+  // TORCH_ARG leaves the struct in `private:`.
+ public:
+  int64_t query_groups() const { return num_query_groups_ > 0 ? num_query_groups_ : num_attention_heads_; }
+  int64_t head_dim() const { return hidden_size_ / num_attention_heads_; }
+  int64_t ffn() const;
+  int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
+
+  // Every constraint against a TP size, failing with what was expected and given.
+  void validate(int64_t tp_size) const;
+};
+
+// How a parameter named `name` of this model is initialised (seed, std, dtype, device).
+tp::ParamInitOptions param_init(const TransformerConfig& config, const std::string& name);
+
+const char* to_string(Normalization n);
+const char* to_string(Activation a);
+const char* to_string(Positions p);
+const char* to_string(Recompute r);
+Recompute parse_recompute(const std::string& s);  // "none" | "selective" | "full"
+
+}  // namespace megatorch::transformer
