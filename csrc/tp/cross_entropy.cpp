@@ -1,12 +1,14 @@
 #include "megatorch/tp/cross_entropy.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
 #include <limits>
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {
 namespace {
@@ -14,83 +16,125 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+struct Shard {
+  int64_t start = 0;  // first global column of this rank
+  int64_t real = 0;   // real columns in the whole vocabulary (the smoothing mean's K)
+  at::Tensor padded;  // bool [V/tp]: columns past the real vocabulary, or undefined
+};
+
+Shard shard_of(const at::Tensor& logits, const std::string& group, int64_t vocab_size) {
+  const TPInfo tp = tp_info(group);
+  const int64_t local = logits.size(-1);
+  Shard s;
+  s.start = tp.rank * local;
+  s.real = vocab_size > 0 ? vocab_size : local * tp.size;
+  if (vocab_size > 0 && s.start + local > vocab_size) {
+    s.padded = at::arange(s.start, s.start + local, logits.options().dtype(at::kLong)) >= vocab_size;
+  }
+  return s;
+}
+
 void all_reduce(at::Tensor& t, const std::string& group, comm::ReduceOp op) {
   if (!group.empty()) comm::Group(group).all_reduce(t, op);
 }
 
-class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
+using FwdOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::string_view, double,
+                                                 int64_t, int64_t);
+using BwdOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+                         double, int64_t, int64_t);
+
+const c10::TypedOperatorHandle<FwdOp>& fwd_op() {
+  static const auto h = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("megatorch::_vocab_parallel_cross_entropy_fwd", "")
+                            .typed<FwdOp>();
+  return h;
+}
+const c10::TypedOperatorHandle<BwdOp>& bwd_op() {
+  static const auto h = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("megatorch::_vocab_parallel_cross_entropy_bwd", "")
+                            .typed<BwdOp>();
+  return h;
+}
+
+class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
                             const std::string& group, double smoothing, int64_t ignore_index, int64_t vocab_size) {
-    const int64_t rank = group.empty() ? 0 : comm::Group(group).rank();
-    const int64_t local = logits.size(-1), start = rank * local;
-    at::Tensor x = logits.to(at::kFloat);
-    at::Tensor padded;  // columns past the real vocabulary, left out of the softmax
-    int64_t real = 0;   // real columns over the whole vocabulary (for the smoothing mean)
-    if (vocab_size > 0) {
-      padded = at::arange(start, start + local, x.options().dtype(at::kLong)) >= vocab_size;
-      x = x.masked_fill(padded, -std::numeric_limits<float>::infinity());
-      real = vocab_size;
-    } else {
-      real = local * (group.empty() ? 1 : comm::Group(group).size());
-    }
-    at::Tensor max = std::get<0>(x.max(-1));
-    all_reduce(max, group, comm::ReduceOp::kMax);  // 1
-    x = x - max.unsqueeze(-1);
-
-    const at::Tensor outside = (target < start).logical_or(target >= start + local);
-    const at::Tensor local_target = (target - start).masked_fill(outside, 0);
-    at::Tensor target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0);
-    at::Tensor sum_logits;
-    if (smoothing > 0) {
-      at::Tensor both = at::stack({target_logit, padded.defined() ? x.masked_fill(padded, 0).sum(-1) : x.sum(-1)});
-      all_reduce(both, group, comm::ReduceOp::kSum);  // 2 (two values per token)
-      target_logit = both[0];
-      sum_logits = both[1];
-    } else {
-      all_reduce(target_logit, group, comm::ReduceOp::kSum);  // 2
-    }
-    at::Tensor exp = x.exp();
-    at::Tensor sum_exp = exp.sum(-1);
-    all_reduce(sum_exp, group, comm::ReduceOp::kSum);  // 3
-    const at::Tensor log_sum_exp = sum_exp.log();
-    at::Tensor loss = log_sum_exp - target_logit;
-    if (smoothing > 0) loss = (1 - smoothing) * loss + smoothing * (log_sum_exp - sum_logits / real);
-    const at::Tensor ignored = target == ignore_index;
-    loss = loss.masked_fill(ignored, 0);
-
-    ctx->save_for_backward({exp.div_(sum_exp.unsqueeze(-1)), local_target, outside, ignored,
-                            padded.defined() ? padded : at::Tensor()});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [loss, lse] = fwd_op().call(logits, target, group, smoothing, ignore_index, vocab_size);
+    ctx->save_for_backward({logits, target, lse});
+    ctx->saved_data["group"] = group;
     ctx->saved_data["smoothing"] = smoothing;
-    ctx->saved_data["real"] = real;
-    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["vocab_size"] = vocab_size;
     return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    at::Tensor grad = saved[0];  // softmax, fp32, reused in place
-    const at::Tensor& local_target = saved[1];
-    const at::Tensor& outside = saved[2];
-    const at::Tensor& ignored = saved[3];
-    const at::Tensor& padded = saved[4];
-    const double smoothing = ctx->saved_data["smoothing"].toDouble();
-    const int64_t real = ctx->saved_data["real"].toInt();
-    // d loss / d logit_j = p_j - (1-ε)·[j = target] - ε/K over real columns.
-    const at::Tensor hit = outside.logical_not().to(grad.scalar_type()) * (1 - smoothing);
-    grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1));
-    if (smoothing > 0) {
-      at::Tensor uniform = at::full({grad.size(-1)}, smoothing / real, grad.options());
-      if (padded.defined()) uniform.masked_fill_(padded, 0);
-      grad.sub_(uniform);
-    }
-    grad.mul_(grads[0].masked_fill(ignored, 0).unsqueeze(-1));
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad = bwd_op().call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["group"].toStringRef(),
+                                    ctx->saved_data["smoothing"].toDouble(), ctx->saved_data["ignore_index"].toInt(),
+                                    ctx->saved_data["vocab_size"].toInt());
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_forward(const at::Tensor& logits,
+                                                                        const at::Tensor& target,
+                                                                        const std::string& group, double smoothing,
+                                                                        int64_t ignore_index, int64_t vocab_size) {
+  const Shard shard = shard_of(logits, group, vocab_size);
+  const int64_t local = logits.size(-1);
+  at::Tensor x = logits.to(at::kFloat);
+  if (shard.padded.defined()) x = x.masked_fill(shard.padded, -std::numeric_limits<float>::infinity());
+  at::Tensor max = std::get<0>(x.max(-1));
+  all_reduce(max, group, comm::ReduceOp::kMax);  // all-reduce 1 of 3
+  x = x - max.unsqueeze(-1);
+
+  const at::Tensor outside = (target < shard.start).logical_or(target >= shard.start + local);
+  const at::Tensor local_target = (target - shard.start).masked_fill(outside, 0);
+  at::Tensor target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0);
+  at::Tensor sum_logits;
+  if (smoothing > 0) {
+    at::Tensor both = at::stack({target_logit, (shard.padded.defined() ? x.masked_fill(shard.padded, 0) : x).sum(-1)});
+    all_reduce(both, group, comm::ReduceOp::kSum);  // all-reduce 2 of 3 (two values per token)
+    target_logit = both[0];
+    sum_logits = both[1];
+  } else {
+    all_reduce(target_logit, group, comm::ReduceOp::kSum);  // all-reduce 2 of 3
+  }
+  at::Tensor sum_exp = x.exp().sum(-1);
+  all_reduce(sum_exp, group, comm::ReduceOp::kSum);  // all-reduce 3 of 3
+  const at::Tensor log_sum_exp = sum_exp.log();
+  at::Tensor loss = log_sum_exp - target_logit;
+  if (smoothing > 0) loss = (1 - smoothing) * loss + smoothing * (log_sum_exp - sum_logits / shard.real);
+  loss = loss.masked_fill(target == ignore_index, 0);
+  return {loss, log_sum_exp + max};
+}
+
+at::Tensor vocab_parallel_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                                 const at::Tensor& target, const at::Tensor& log_sum_exp,
+                                                 const std::string& group, double smoothing, int64_t ignore_index,
+                                                 int64_t vocab_size) {
+  const Shard shard = shard_of(logits, group, vocab_size);
+  const int64_t local = logits.size(-1);
+  // d loss / d logit_j = p_j - (1-ε)·[j = target] - ε/K over the real columns.
+  at::Tensor grad = (logits.to(at::kFloat) - log_sum_exp.unsqueeze(-1)).exp_();
+  if (shard.padded.defined()) grad.masked_fill_(shard.padded, 0);
+  const at::Tensor outside = (target < shard.start).logical_or(target >= shard.start + local);
+  const at::Tensor local_target = (target - shard.start).masked_fill(outside, 0);
+  const at::Tensor hit = outside.logical_not().to(at::kFloat) * (1 - smoothing);
+  grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1));
+  if (smoothing > 0) {
+    at::Tensor uniform = at::full({local}, smoothing / shard.real, grad.options());
+    if (shard.padded.defined()) uniform.masked_fill_(shard.padded, 0);
+    grad.sub_(uniform);
+  }
+  grad.mul_(grad_loss.to(at::kFloat).masked_fill(target == ignore_index, 0).unsqueeze(-1));
+  return grad.to(logits.scalar_type());
+}
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target, const std::string& group,
                                         double label_smoothing, int64_t ignore_index, c10::optional<int64_t> vocab_size) {
@@ -100,7 +144,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   MEGATORCH_CHECK(label_smoothing >= 0 && label_smoothing < 1, "expected label_smoothing in [0, 1), got ",
                   label_smoothing);
   MEGATORCH_CHECK(!vocab_size || *vocab_size >= 1, "expected vocab_size >= 1, got ", vocab_size.value_or(0));
-  return VocabParallelCrossEntropy::apply(logits, target, group, label_smoothing, ignore_index, vocab_size.value_or(0));
+  return CrossEntropyFunction::apply(logits, target, group, label_smoothing, ignore_index, vocab_size.value_or(0));
 }
 
 }  // namespace megatorch::tp

@@ -9,4 +9,6 @@ from .comm import comm_stats, reset_comm_stats
 
 load_library()
 
-__all__ = ["comm_stats", "reset_comm_stats", "library_path", "load_library"]
+from . import nn  # noqa: E402  (needs the operators loaded)
+
+__all__ = ["comm_stats", "reset_comm_stats", "library_path", "load_library", "nn"]

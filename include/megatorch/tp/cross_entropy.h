@@ -2,11 +2,13 @@
 // Cross entropy over vocab-parallel logits without gathering them: exactly three
 // all-reduces over the TP group, each of one value per token — the max logit, the
 // target's logit, the sum of exps (with label smoothing the second also carries the
-// sum of logits, so it moves two values per token). The backward communicates nothing.
+// sum of logits, so it moves two values per token). The backward communicates nothing:
+// it rebuilds the softmax from the logits shard and the global log-sum-exp.
 #include <ATen/Tensor.h>
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <tuple>
 
 namespace megatorch::tp {
 
@@ -16,8 +18,20 @@ namespace megatorch::tp {
 // torch.nn.functional.cross_entropy: (1-ε)·nll + ε·mean over the vocabulary of -log p.
 // `vocab_size`, when given, is the real vocabulary: columns at or past it (Megatron's
 // padding) are left out of the softmax, so every TP size gives the same loss.
+// Differentiable; runs through the dispatcher (torch.compile and TorchScript see ops).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target, const std::string& group,
                                         double label_smoothing = 0.0, int64_t ignore_index = -100,
                                         c10::optional<int64_t> vocab_size = c10::nullopt);
+
+// The two halves, outside autograd (the kernels of the internal operators).
+// vocab_size <= 0 means every column is real. Returns (loss, log_sum_exp), both fp32.
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_forward(const at::Tensor& logits,
+                                                                        const at::Tensor& target,
+                                                                        const std::string& group, double label_smoothing,
+                                                                        int64_t ignore_index, int64_t vocab_size);
+at::Tensor vocab_parallel_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                                 const at::Tensor& target, const at::Tensor& log_sum_exp,
+                                                 const std::string& group, double label_smoothing,
+                                                 int64_t ignore_index, int64_t vocab_size);
 
 }  // namespace megatorch::tp

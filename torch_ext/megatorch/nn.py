@@ -1,0 +1,148 @@
+"""Tensor-parallel layers as torch.nn.Modules over torch.ops.megatorch.
+
+Each layer holds only its shard and takes the tensor-parallel group (a
+``torch.distributed`` ProcessGroup or its ``group_name``). ``from_dense`` shards an
+existing ``nn.Linear`` / ``nn.Embedding`` so a model can be converted layer by layer.
+Activations use Megatron's [s, b, h] layout when ``sequence_parallel`` is on.
+"""
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+GroupLike = Union[str, dist.ProcessGroup]
+
+
+def _group_name(group: GroupLike) -> str:
+    return group if isinstance(group, str) else group.group_name
+
+
+def _rank_size(group: GroupLike):
+    pg = group if isinstance(group, dist.ProcessGroup) else dist.distributed_c10d._resolve_process_group(group)
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def _shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if tensor.size(dim) % size:
+        raise ValueError(f"megatorch: expected dim {dim} of size {tensor.size(dim)} to be divisible by the "
+                         f"tensor-parallel size {size}")
+    return tensor.chunk(size, dim)[rank].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's rows (output features) split: weight shard [out/tp, in]."""
+
+    def __init__(self, in_features: int, out_features: int, group: GroupLike, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.group = _group_name(group)
+        self.rank, self.world = _rank_size(group)
+        if out_features % self.world:
+            raise ValueError(f"megatorch: expected out_features ({out_features}) to be divisible by the "
+                             f"tensor-parallel size ({self.world})")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features // self.world, in_features, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features // self.world, **kw)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: GroupLike, **kwargs) -> "ColumnParallelLinear":
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_shard(linear.weight, 0, layer.rank, layer.world))
+            if linear.bias is not None:
+                layer.bias.copy_(_shard(linear.bias, 0, layer.rank, layer.world))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.megatorch.column_parallel_linear(x, self.weight, self.bias, self.group, self.gather_output,
+                                                          self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.world}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A's columns (input features) split: weight shard [out, in/tp];
+    the bias is replicated and added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, group: GroupLike, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.group = _group_name(group)
+        self.rank, self.world = _rank_size(group)
+        if in_features % self.world:
+            raise ValueError(f"megatorch: expected in_features ({in_features}) to be divisible by the "
+                             f"tensor-parallel size ({self.world})")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.world, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: GroupLike, **kwargs) -> "RowParallelLinear":
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_shard(linear.weight, 1, layer.rank, layer.world))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.megatorch.row_parallel_linear(x, self.weight, self.bias, self.group, self.input_is_parallel,
+                                                       self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.world}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split: rank r holds rows
+    [r·V/tp, (r+1)·V/tp). ``from_dense`` pads the vocabulary with zero rows up to a
+    multiple of the tensor-parallel size when needed (those ids are never looked up)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: GroupLike, device=None, dtype=None):
+        super().__init__()
+        self.group = _group_name(group)
+        self.rank, self.world = _rank_size(group)
+        self.num_embeddings = num_embeddings
+        self.padded = -(-num_embeddings // self.world) * self.world
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(torch.empty(self.padded // self.world, embedding_dim, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, group: GroupLike) -> "VocabParallelEmbedding":
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=embedding.weight.device,
+                    dtype=embedding.weight.dtype)
+        full = embedding.weight.detach()
+        if layer.padded != layer.num_embeddings:
+            full = torch.cat([full, full.new_zeros(layer.padded - layer.num_embeddings, full.size(1))])
+        with torch.no_grad():
+            layer.weight.copy_(_shard(full, 0, layer.rank, layer.world))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.megatorch.vocab_parallel_embedding(ids, self.weight, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.world}"
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: GroupLike,
+                                 label_smoothing: float = 0.0, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss from this rank's vocabulary shard of the logits (unreduced)."""
+    return torch.ops.megatorch.vocab_parallel_cross_entropy(logits, target, _group_name(group), label_smoothing,
+                                                            ignore_index)
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
