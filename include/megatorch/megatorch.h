@@ -22,3 +22,8 @@
 #include "megatorch/transformer/recompute.h"
 #include "megatorch/transformer/transformer_layer.h"
 #include "megatorch/models/gpt_model.h"
+#include "megatorch/pipeline/executor.h"
+#include "megatorch/pipeline/pipeline_stage.h"
+#include "megatorch/pipeline/schedule.h"
+#include "megatorch/pipeline/simulator.h"
+#include "megatorch/pipeline/timeline_svg.h"

@@ -1,0 +1,188 @@
+#include "megatorch/pipeline/executor.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <chrono>
+#include <map>
+
+#include "megatorch/check.h"
+#include "megatorch/comm/group.h"
+
+namespace megatorch::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Key = std::pair<int64_t, int64_t>;  // (micro-batch, chunk)
+
+// A distinct tag per message: its kind, micro-batch and receiving virtual stage, which
+// sender and receiver both know (an action's chunk is its own rank's chunk), so Gloo can
+// never pair the wrong send and receive between the same two ranks.
+int64_t tag_of(const Action& a, int64_t rank, int64_t p, int64_t v) {
+  const int64_t here = virtual_stage(a.chunk, rank, p);
+  switch (a.kind) {
+    case ActionKind::kSendActivation: return (a.microbatch * p * v + here + 1) * 2;
+    case ActionKind::kRecvActivation: return (a.microbatch * p * v + here) * 2;
+    case ActionKind::kSendGrad: return (a.microbatch * p * v + here - 1) * 2 + 1;
+    case ActionKind::kRecvGrad: return (a.microbatch * p * v + here) * 2 + 1;
+    default: return -1;
+  }
+}
+
+// Backward from `output` with `grad` through the engine directly: the output's data
+// may have been freed (deallocation), so the usual shape check must not run.
+void backward_from(const at::Tensor& output, const at::Tensor& grad) {
+  const auto edge = torch::autograd::impl::gradient_edge(output);
+  MEGATORCH_CHECK(edge.function, "pipeline: expected a stage output attached to the autograd graph");
+  torch::autograd::Engine::get_default_engine().execute({edge}, {grad}, /*keep_graph=*/false, /*create_graph=*/false,
+                                                        /*accumulate_grad=*/true);
+}
+
+struct Stash {
+  at::Tensor input;   // the received activation (requires grad), undefined on the first stage
+  at::Tensor output;  // the stage output (or the scaled loss on the last stage)
+};
+
+}  // namespace
+
+PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& mbs,
+                                     const ExecutorOptions& options) {
+  const int64_t p = stage->pp_size(), rank = stage->pp_rank(), v = stage->num_chunks();
+  const int64_t m = static_cast<int64_t>(mbs.size());
+  MEGATORCH_CHECK(m >= 1, "pipeline: expected at least one micro-batch");
+  MEGATORCH_CHECK(options.schedule() == ScheduleKind::kInterleaved || v == 1, "pipeline: the ",
+                  schedule_kind_name(options.schedule()), " schedule runs one chunk per stage, got ", v,
+                  " virtual chunks; use the interleaved schedule");
+  const auto actions = build_schedule(options.schedule(), p, m, v, rank);
+  std::unique_ptr<comm::Group> pp;
+  if (p > 1) pp = std::make_unique<comm::Group>(stage->options.pp_group());
+  const auto act_shape = stage->activation_shape(mbs[0].ids.size(0));
+  const auto act_opts = at::TensorOptions().dtype(stage->options.config().params_dtype()).device(
+      stage->options.config().device());
+
+  PipelineStepResult result;
+  std::map<Key, Stash> stash;
+  std::map<Key, comm::Work> recv_act, recv_grad;
+  std::map<Key, at::Tensor> recv_act_buf, recv_grad_buf;
+  std::vector<std::pair<comm::Work, Key>> pending_sends;  // outputs freed once their send is done
+  std::vector<std::pair<comm::Work, at::Tensor>> grad_sends;  // kept alive until done
+  at::Tensor loss_sum;
+  // A stashed micro-batch holds one [s, b, h] activation's worth for its backward.
+  int64_t act_bytes = static_cast<int64_t>(at::empty({0}, act_opts).element_size());
+  for (int64_t d : act_shape) act_bytes *= d;
+  int64_t stashed = 0;
+  const auto t0 = Clock::now();
+  auto seconds = [&t0](Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); };
+
+  auto free_sent_outputs = [&](bool all) {
+    for (auto it = pending_sends.begin(); it != pending_sends.end();) {
+      if (!all && !it->first.is_completed()) {
+        ++it;
+        continue;
+      }
+      it->first.wait();
+      auto st = stash.find(it->second);
+      if (options.deallocate_outputs() && st != stash.end() && st->second.output.defined()) {
+        st->second.output.set_data(at::empty({0}, st->second.output.options()));
+      }
+      it = pending_sends.erase(it);
+    }
+  };
+
+  for (const Action& a : actions) {
+    const Key key{a.microbatch, a.chunk};
+    const int64_t tag = tag_of(a, rank, p, v);
+    switch (a.kind) {
+      case ActionKind::kRecvActivation: {
+        at::Tensor buf = at::empty(act_shape, act_opts);
+        recv_act.emplace(key, pp->recv_async(buf, a.peer, tag));
+        recv_act_buf.emplace(key, buf);
+        break;
+      }
+      case ActionKind::kRecvGrad: {
+        at::Tensor buf = at::empty(act_shape, act_opts);
+        recv_grad.emplace(key, pp->recv_async(buf, a.peer, tag));
+        recv_grad_buf.emplace(key, buf);
+        break;
+      }
+      case ActionKind::kForward: {
+        const auto start = Clock::now();
+        models::GPTModel model = stage->chunk(a.chunk);
+        Stash s;
+        at::Tensor input;
+        if (stage->is_first_virtual_stage(a.chunk)) {
+          input = mbs[a.microbatch].ids;
+        } else if (p == 1) {  // interleaved on one rank: the previous chunk's output, in place
+          const Stash& prev = stash.at({a.microbatch, a.chunk - 1});
+          input = prev.output.detach().requires_grad_(true);
+          s.input = input;
+        } else {
+          recv_act.at(key).wait();
+          recv_act.erase(key);
+          input = recv_act_buf.at(key).requires_grad_(true);
+          recv_act_buf.erase(key);
+          s.input = input;
+        }
+        at::Tensor out = model->forward(input);
+        if (stage->is_last_virtual_stage(a.chunk)) {
+          const at::Tensor& labels = mbs[a.microbatch].labels;
+          const at::Tensor per_token = model->per_token_loss(out, labels);
+          const at::Tensor valid = (labels != -100).sum().clamp_min(1).to(per_token.scalar_type());
+          const at::Tensor mb_loss = per_token.sum() / valid;
+          loss_sum = loss_sum.defined() ? loss_sum + mb_loss.detach() : mb_loss.detach();
+          out = mb_loss / static_cast<double>(m);  // micro-batch losses averaged
+        }
+        s.output = out;
+        stashed += 1;
+        result.peak_stashed = std::max(result.peak_stashed, stashed);
+        result.peak_stashed_bytes = std::max(result.peak_stashed_bytes, stashed * act_bytes);
+        stash[key] = std::move(s);
+        result.timeline.push_back({rank, a, seconds(start), seconds(Clock::now())});
+        break;
+      }
+      case ActionKind::kSendActivation: {
+        pending_sends.emplace_back(pp->send_async(stash.at(key).output.detach(), a.peer, tag), key);
+        break;
+      }
+      case ActionKind::kBackward: {
+        const auto start = Clock::now();
+        free_sent_outputs(false);
+        Stash& s = stash.at(key);
+        if (stage->is_last_virtual_stage(a.chunk)) {
+          backward_from(s.output, at::ones_like(s.output));
+        } else if (p == 1) {  // interleaved on one rank: the next chunk's input gradient
+          backward_from(s.output, stash.at({a.microbatch, a.chunk + 1}).input.grad());
+        } else {
+          recv_grad.at(key).wait();
+          recv_grad.erase(key);
+          backward_from(s.output, recv_grad_buf.at(key));
+          recv_grad_buf.erase(key);
+        }
+        stashed -= 1;
+        s.output = at::Tensor();
+        result.timeline.push_back({rank, a, seconds(start), seconds(Clock::now())});
+        break;
+      }
+      case ActionKind::kSendGrad: {
+        const at::Tensor& input = stash.at(key).input;
+        MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
+                        " chunk ", a.chunk, "; the stage's output does not depend on its input");
+        grad_sends.emplace_back(pp->send_async(input.grad(), a.peer, tag), input.grad());
+        break;
+      }
+      default:
+        MEGATORCH_FAIL("pipeline: the executor does not run ", action_kind_name(a.kind), " actions yet");
+    }
+  }
+  free_sent_outputs(true);
+  for (auto& [work, tensor] : grad_sends) work.wait();
+  // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
+  stash.clear();
+  for (const auto& r : result.timeline) result.busy_s += r.end - r.start;
+  result.makespan_s = result.timeline.empty() ? 0 : result.timeline.back().end;
+  if (loss_sum.defined()) result.loss = loss_sum / static_cast<double>(m);
+  return result;
+}
+
+}  // namespace megatorch::pipeline

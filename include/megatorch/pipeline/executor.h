@@ -1,0 +1,43 @@
+#pragma once
+// Runs a schedule's action list on this pipeline rank: non-blocking p2p over the PP
+// group (shapes known from the config), micro-batch losses averaged, gradients
+// accumulated, each stage output freed once sent (Megatron's deallocation: only its
+// autograd graph is kept). Records a timestamp per compute action for the timeline and
+// the measured bubble, and the peak activations stashed for backward.
+#include <ATen/Tensor.h>
+
+#include <vector>
+
+#include "megatorch/pipeline/pipeline_stage.h"
+#include "megatorch/pipeline/schedule.h"
+#include "megatorch/pipeline/timeline_svg.h"
+
+namespace megatorch::pipeline {
+
+struct MicroBatch {
+  at::Tensor ids;     // [b, s] token ids (read by the first stage)
+  at::Tensor labels;  // [b, s] targets (read by the last stage)
+};
+
+struct PipelineStepResult {
+  // Mean over micro-batches of each micro-batch's mean token loss; defined on the last
+  // pipeline rank only (undefined elsewhere).
+  at::Tensor loss;
+  std::vector<TimelineRecord> timeline;  // this rank's compute actions, seconds from the start
+  double busy_s = 0;                     // time in compute actions
+  double makespan_s = 0;                 // start to the last action's end
+  int64_t peak_stashed = 0;              // activations held for backward, at most at once
+  int64_t peak_stashed_bytes = 0;        // their bytes: one [s, b, h] activation each
+};
+
+struct ExecutorOptions {
+  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kOneFOneB;
+  // Free each stage output once its send completed (keeps only its graph).
+  TORCH_ARG(bool, deallocate_outputs) = true;
+};
+
+// One training step's forward and backward over all micro-batches (no optimizer step).
+PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& micro_batches,
+                                     const ExecutorOptions& options = {});
+
+}  // namespace megatorch::pipeline
