@@ -57,6 +57,15 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
   const auto actions = build_schedule(options.schedule(), p, m, v, rank);
   std::unique_ptr<comm::Group> pp;
   if (p > 1) pp = std::make_unique<comm::Group>(stage->options.pp_group());
+  const auto& cfg = stage->options.config();
+  for (int64_t i = 0; i < m; ++i) {
+    // Shapes between stages come from the config: check the batch before any p2p.
+    MEGATORCH_CHECK(mbs[i].ids.dim() == 2 && mbs[i].ids.size(1) == cfg.seq_length() &&
+                        mbs[i].ids.sizes() == mbs[0].ids.sizes() && mbs[i].labels.sizes() == mbs[i].ids.sizes(),
+                    "pipeline: expected every micro-batch's ids and labels to be [b, ", cfg.seq_length(),
+                    "] with one b, got ids ", mbs[i].ids.sizes(), " and labels ", mbs[i].labels.sizes(),
+                    " for micro-batch ", i);
+  }
   const auto act_shape = stage->activation_shape(mbs[0].ids.size(0));
   const auto act_opts = at::TensorOptions().dtype(stage->options.config().params_dtype()).device(
       stage->options.config().device());
@@ -72,8 +81,9 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
   int64_t act_bytes = static_cast<int64_t>(at::empty({0}, act_opts).element_size());
   for (int64_t d : act_shape) act_bytes *= d;
   int64_t stashed = 0;
-  const auto t0 = Clock::now();
-  auto seconds = [&t0](Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); };
+  // Monotonic clock seconds: one clock for every process of a machine, so the ranks'
+  // timelines line up when gathered (gather_timeline).
+  auto seconds = [](Clock::time_point t) { return std::chrono::duration<double>(t.time_since_epoch()).count(); };
 
   auto free_sent_outputs = [&](bool all) {
     for (auto it = pending_sends.begin(); it != pending_sends.end();) {
@@ -180,9 +190,52 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
   // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
   stash.clear();
   for (const auto& r : result.timeline) result.busy_s += r.end - r.start;
-  result.makespan_s = result.timeline.empty() ? 0 : result.timeline.back().end;
+  result.makespan_s = result.timeline.empty() ? 0 : result.timeline.back().end - result.timeline.front().start;
   if (loss_sum.defined()) result.loss = loss_sum / static_cast<double>(m);
   return result;
+}
+
+std::vector<TimelineRecord> gather_timeline(const PipelineStepResult& result, const std::string& pp_group) {
+  // Every rank runs the same number of compute actions (2·m·v): one all-gather of
+  // [n, 5] doubles (kind, micro-batch, chunk, start, end) brings them all.
+  const int64_t n = static_cast<int64_t>(result.timeline.size());
+  at::Tensor mine = at::empty({n, 5}, at::kDouble);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& r = result.timeline[i];
+    mine[i] = at::tensor({static_cast<double>(r.action.kind), static_cast<double>(r.action.microbatch),
+                          static_cast<double>(r.action.chunk), r.start, r.end},
+                         at::kDouble);
+  }
+  comm::Group pp(pp_group);
+  const at::Tensor all = pp.size() > 1 ? pp.all_gather(mine, 0) : mine;
+  const double t0 = n ? all.select(1, 3).min().item<double>() : 0;
+  std::vector<TimelineRecord> out;
+  for (int64_t i = 0; i < all.size(0); ++i) {
+    const auto row = all[i];
+    Action a;
+    a.kind = static_cast<ActionKind>(row[0].item<int64_t>());
+    a.microbatch = row[1].item<int64_t>();
+    a.chunk = row[2].item<int64_t>();
+    out.push_back({i / std::max<int64_t>(n, 1), a, row[3].item<double>() - t0, row[4].item<double>() - t0});
+  }
+  return out;
+}
+
+double measured_bubble(const std::vector<TimelineRecord>& timeline) {
+  if (timeline.empty()) return 0;
+  double start = timeline.front().start, end = timeline.front().end;
+  std::map<int64_t, double> busy;
+  for (const auto& r : timeline) {
+    start = std::min(start, r.start);
+    end = std::max(end, r.end);
+    busy[r.rank] += r.end - r.start;
+  }
+  double idle_sum = 0, busy_sum = 0;
+  for (const auto& [rank, b] : busy) {
+    idle_sum += (end - start) - b;
+    busy_sum += b;
+  }
+  return idle_sum / busy_sum;
 }
 
 }  // namespace megatorch::pipeline

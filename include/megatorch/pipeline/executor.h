@@ -23,7 +23,7 @@ struct PipelineStepResult {
   // Mean over micro-batches of each micro-batch's mean token loss; defined on the last
   // pipeline rank only (undefined elsewhere).
   at::Tensor loss;
-  std::vector<TimelineRecord> timeline;  // this rank's compute actions, seconds from the start
+  std::vector<TimelineRecord> timeline;  // this rank's compute actions, monotonic-clock seconds
   double busy_s = 0;                     // time in compute actions
   double makespan_s = 0;                 // start to the last action's end
   int64_t peak_stashed = 0;              // activations held for backward, at most at once
@@ -39,5 +39,12 @@ struct ExecutorOptions {
 // One training step's forward and backward over all micro-batches (no optimizer step).
 PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& micro_batches,
                                      const ExecutorOptions& options = {});
+
+// Every pipeline rank's timeline on every rank (a collective over the PP group), with
+// the time shifted to start at 0 and `rank` set to the pipeline rank.
+std::vector<TimelineRecord> gather_timeline(const PipelineStepResult& result, const std::string& pp_group);
+// Measured bubble of a gathered timeline: the stages' idle time over their busy time,
+// summed over stages (REFERENCE.md's definition; (p-1)/m for 1F1B in theory).
+double measured_bubble(const std::vector<TimelineRecord>& timeline);
 
 }  // namespace megatorch::pipeline
