@@ -38,6 +38,21 @@ void PipelineStageImpl::reset() {
   const auto& c = options.config();
   const int64_t v = options.virtual_chunks();
   MEGATORCH_CHECK(v >= 1, "expected virtual_chunks >= 1, got ", v);
+  if (pp_size_ > 1) {
+    // Stages exchange [s, b, h] tensors whose shapes come from the config: compare it
+    // across stages now (one small all-gather) rather than fail inside a p2p later.
+    const at::Tensor mine = at::tensor({c.hidden_size(), c.seq_length(), c.num_layers(), c.vocab_size(),
+                                        c.num_attention_heads(), c.query_groups(),
+                                        static_cast<int64_t>(c.sequence_parallel()), v},
+                                       at::kLong);
+    const at::Tensor all = comm::Group(options.pp_group()).all_gather(mine.unsqueeze(0), 0);
+    for (int64_t r = 0; r < pp_size_; ++r) {
+      MEGATORCH_CHECK(at::equal(all[r], all[0]), "pipeline: stage ", r,
+                      " was built with (hidden, seq, layers, vocab, heads, query groups, sequence_parallel, "
+                      "virtual chunks) = ", all[r], " but stage 0 with ", all[0],
+                      "; every stage must be built from the same model configuration");
+    }
+  }
   const auto split = split_layers(c.num_layers(), pp_size_, v, options.layer_split());
   chunks = register_module("chunks", torch::nn::ModuleList());
   // Every rank seeds its dropout streams the same way as a single-stage model would.

@@ -94,6 +94,21 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
   }
 }
 
+TEST_CASE("stages built from different configurations fail on every rank, before any p2p", "[mp][pipeline]") {
+  auto st = mp::state(1, mp::world_size(), "pipe_mismatch");
+  Group ppg(*st, GroupKind::kPipeline);
+  auto config = gpt_test::base_config().num_layers(8).hidden_size(ppg.rank() == 0 ? 32 : 64);
+  CHECK_THROWS_WITH(pipeline::PipelineStage(pipeline::PipelineStageOptions(config).pp_group(ppg.name())),
+                    Catch::Contains("every stage must be built from the same model configuration"));
+  auto good = gpt_test::base_config().num_layers(8);
+  pipeline::PipelineStage stage(pipeline::PipelineStageOptions(good).pp_group(ppg.name()));
+  std::vector<pipeline::MicroBatch> bad{{torch::zeros({2, 5}, torch::kLong), torch::zeros({2, 5}, torch::kLong)}};
+  CHECK_THROWS_WITH(pipeline::run_pipeline_step(stage, bad), Catch::Contains("micro-batch's ids and labels to be [b, 8]"));
+  CHECK_THROWS_WITH(pipeline::run_pipeline_step(stage, std::vector<pipeline::MicroBatch>(3, {torch::zeros({2, 8}, torch::kLong), torch::zeros({2, 8}, torch::kLong)}),
+                                                pipeline::ExecutorOptions().schedule(pipeline::ScheduleKind::kInterleaved)),
+                    Catch::Contains("--num-microbatches to be a multiple of"));
+}
+
 TEST_CASE("bad pipeline splits are errors", "[mp][pipeline]") {
   CHECK_THROWS_WITH(pipeline::split_layers(6, 4, 1, {}), Catch::Contains("divisible by pipeline stages"));
   CHECK_THROWS_WITH(pipeline::split_layers(6, 2, 1, {4, 1}), Catch::Contains("sum to num_layers = 6"));
