@@ -3,7 +3,8 @@
 # environment at .venv/ with the pinned torch and the megatorch Python package.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-DEB_PACKAGES=(catch2 ccache ninja-build cmake g++ libcli11-dev nlohmann-json3-dev pybind11-dev)
+# libgloo-dev: headers only, for ProcessGroupGloo.hpp (the torch wheel does not ship them).
+DEB_PACKAGES=(catch2 ccache ninja-build cmake g++ libcli11-dev nlohmann-json3-dev pybind11-dev libgloo-dev)
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -32,7 +32,10 @@ std::string global_name(const std::string& name, int64_t layer_begin, bool tied)
 TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][pipeline]") {
   const int64_t world = mp::world_size();
   std::vector<std::pair<int64_t, int64_t>> layouts{{1, world}};  // (tp, pp)
-  if (world == 4) layouts.push_back({2, 2});
+  if (world == 4) {
+    layouts.push_back({2, 2});  // TP inside every stage
+    layouts.push_back({1, 2});  // two pipelines side by side (DP 2), each its own PP group
+  }
   for (auto [tpn, ppn] : layouts) {
     auto st = mp::state(tpn, ppn, "pipe_" + std::to_string(tpn) + "_" + std::to_string(ppn));
     Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);

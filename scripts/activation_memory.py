@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Activation memory of one transformer layer, measured from megatorch's C++ layers,
+next to Korthikanti et al. 2022 (REFERENCE.md, "Sequence parallelism").
+
+What is measured: the bytes a `megatorch.cpp.TransformerLayer` keeps for backward — every
+tensor autograd saves during its forward, seen through
+torch.autograd.graph.saved_tensors_hooks, counted once per storage (a saved view keeps
+its whole storage alive, so that is what memory holds), parameters left out.
+
+    .venv/bin/python scripts/activation_memory.py                      # t = 1
+    torchrun --nproc-per-node=4 scripts/activation_memory.py --out X   # t = 1, 2, 4 (gloo)
+
+With torchrun, t = 2 runs on the pairs [0,1] and [2,3], t = 4 on every rank; rank 0
+prints. Run with MEGATORCH_LIBRARY pointing at the build's libmegatorch.so (or from a
+repository whose build/lib holds it).
+
+The formulas assume 16-bit activations and 1-byte dropout masks; we run fp32 on CPU.
+`korthikanti_bytes(..., act_bytes=4, mask_bytes=M)` is the same count of tensors in fp32,
+with M the bytes of a dropout mask as this device keeps it (CPU: at::dropout keeps the
+fp32 scaled noise, 4 bytes; CUDA: native_dropout keeps a bool mask, 1 byte).
+`megatorch_bytes` adds the differences of megatorch's implementation, term by term; every
+measurement must equal it exactly (the last column of the table).
+"""
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+import megatorch.cpp as mt
+
+SETTINGS = ["none", "tp+sp", "selective", "tp+sp+selective", "full", "tp+sp+full"]
+
+
+@dataclass
+class Shape:
+    s: int
+    b: int
+    h: int
+    a: int
+
+    @property
+    def sbh(self):
+        return self.s * self.b * self.h
+
+
+@dataclass
+class Measurement:
+    bytes: int = 0
+    storages: List[tuple] = field(default_factory=list)  # (bytes, shape, dtype, producer)
+
+
+def layer_config(shape: Shape, setting: str, dropout: float) -> "mt.TransformerConfig":
+    """Korthikanti's GPT layer: LayerNorm, GeLU, biases, MHA; `setting` picks SP and recompute."""
+    recompute = "selective" if "selective" in setting else "full" if "full" in setting else "none"
+    return mt.TransformerConfig(hidden_size=shape.h, num_attention_heads=shape.a, seq_length=shape.s,
+                                hidden_dropout=dropout, attention_dropout=dropout, recompute=recompute,
+                                sequence_parallel=setting.startswith("tp+sp"), seed=1234)
+
+
+def measure_layer(config, batch: int, group=None, tp_size: int = 1) -> Measurement:
+    """Bytes saved for backward by one TransformerLayer forward in training mode."""
+    layer = mt.TransformerLayer(config, group)
+    layer.train()
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    s = config.seq_length // tp_size if config.sequence_parallel else config.seq_length
+    x = torch.randn(s, batch, config.hidden_size, requires_grad=True)
+    out = Measurement()
+    seen = set()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() > 0 and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            producer = "layer input" if t is x else type(t.grad_fn).__name__ if t.grad_fn else "no grad_fn"
+            out.storages.append((storage.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""), producer))
+            out.bytes += storage.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    y.sum().backward()  # the saved graph is a complete, working one
+    return out
+
+
+# ---- Korthikanti et al. 2022, term by term (per rank, per layer)
+
+def korthikanti_bytes(setting: str, shape: Shape, t: int, act_bytes: int = 2, mask_bytes: int = 1) -> float:
+    """The paper's count. At act_bytes=2, mask_bytes=1 it is REFERENCE.md's table:
+    outside the TP region the two LayerNorm inputs and the inputs of QKV and fc1 (4 sbh
+    activations) and two hidden dropout masks (2 sbh); inside it (divided by t) Q, K, V and
+    the output projection's input (4 sbh), GeLU's input and output (8 sbh), and per head
+    the softmax output and the dropout output (2 a s^2 b) and the dropout mask (a s^2 b).
+    Sequence parallelism divides the outside terms by t; selective recompute drops the
+    a s^2 b terms; full recompute keeps the layer input (the paper's 2 sbh, divided by t
+    under SP as Megatron stores the sequence shard)."""
+    u, A = shape.sbh, shape.a * shape.s ** 2 * shape.b
+    sp = 1 / t if setting.startswith("tp+sp") else 1
+    if "full" in setting:
+        return act_bytes * u * sp
+    outside = (4 * act_bytes + 2 * mask_bytes) * u * sp
+    inside = 12 * act_bytes * u / t
+    if "selective" not in setting:
+        inside += (2 * act_bytes + mask_bytes) * A / t
+    return outside + inside
+
+
+def reference_table_bytes(setting: str, shape: Shape, t: int) -> float:
+    """REFERENCE.md's rows as written (16-bit); korthikanti_bytes must equal them."""
+    s, b, h, a = shape.s, shape.b, shape.h, shape.a
+    return {
+        "none": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp+sp": s * b * h / t * (34 + 5 * a * s / h),
+        "selective": s * b * h * (10 + 24 / t),
+        "tp+sp+selective": 34 * s * b * h / t,
+        "full": 2 * s * b * h,
+        "tp+sp+full": 2 * s * b * h / t,
+    }[setting]
+
+
+# Codes of the differences between megatorch and the paper's count (docs/activation_memory.md).
+DIFFERENCES = {
+    "L": "LayerNorm keeps its fp32 mean and 1/std per token",
+    "G": "QKV and fc1 keep their all-gathered [s, b, h] input under SP",
+    "Q": "SDPA's math path keeps scaled copies of Q and K",
+    "D": "no dropout: no hidden dropout masks",
+    "F": "flash attention: no s^2 tensors, a log-sum-exp per query",
+}
+
+
+def megatorch_differences(setting: str, shape: Shape, t: int, act_bytes: int, mask_bytes: int,
+                          attention: str) -> dict:
+    """What megatorch keeps beyond (or short of) the paper's count, {code: bytes}, each exact.
+    attention: "math" (SDPA's math path: CPU with attention dropout) or "flash" (CPU
+    flash attention without dropout; it stores no s^2 tensor)."""
+    s, b, h, a = shape.s, shape.b, shape.h, shape.a
+    u, A = shape.sbh, a * s * s * b
+    E = act_bytes
+    sp = setting.startswith("tp+sp")
+    d = {}
+    if "full" in setting:
+        return d
+    # at::layer_norm saves its fp32 mean and 1/std ([s, b, 1] each) besides its input;
+    # two LayerNorms. The paper counts only the inputs.
+    d["L"] = 2 * 2 * 4 * s * b / (t if sp else 1)
+    if sp:
+        # ColumnParallelLinear all-gathers its input and at::linear saves the gathered
+        # [s, b, h] tensor; Megatron saves the [s/t, b, h] shard and all-gathers it again
+        # in backward. Two such layers (QKV, fc1).
+        d["G"] = 2 * E * u * (1 - 1 / t)
+    if attention == "math":
+        if "selective" not in setting:
+            # SDPA's math path multiplies Q and K by sqrt(1/sqrt(d)) into new tensors that
+            # its matmul saves, while the V view keeps the whole fused QKV output alive:
+            # Q and K are held twice.
+            d["Q"] = 2 * E * u / t
+    else:
+        # No dropout: no masks; flash attention keeps no s^2 tensor, only its log-sum-exp
+        # per query (which selective recompute drops with the rest).
+        d["D"] = -2 * mask_bytes * u / (t if sp else 1)
+        if "selective" not in setting:
+            d["F"] = -(2 * E + mask_bytes) * A / t + 4 * a * s * b / t
+    return d
+
+
+def megatorch_bytes(setting, shape, t, act_bytes, mask_bytes, attention) -> float:
+    return korthikanti_bytes(setting, shape, t, act_bytes, mask_bytes) + sum(
+        megatorch_differences(setting, shape, t, act_bytes, mask_bytes, attention).values())
+
+
+def dropout_mask_bytes(device: torch.device) -> int:
+    """Bytes per element of what dropout keeps for backward on this device (measured)."""
+    x = torch.ones(8, device=device, requires_grad=True)
+    kept = []
+    with saved_tensors_hooks(lambda t: kept.append(t.element_size()) or t, lambda t: t):
+        torch.dropout(x * 1, 0.5, True)
+    return kept[-1]
+
+
+# ---- the report
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2 ** 20:.3f} MiB" if abs(n) >= 2 ** 20 else f"{n / 2 ** 10:.2f} KiB"
+
+
+def run(shapes, tps, groups, dropout, mask_bytes):
+    """One row per (shape, t, setting): measured bytes, the paper's 16-bit and fp32 counts,
+    megatorch's explained count and its differences from the paper, the saved storages."""
+    rows = []
+    for shape in shapes:
+        for t in tps:
+            if shape.a % t or shape.s % t:
+                continue
+            for setting in SETTINGS:
+                if t == 1 and setting.startswith("tp+sp"):
+                    continue  # SP needs a TP group
+                m = measure_layer(layer_config(shape, setting, dropout), shape.b, groups[t], t)
+                attention = "math" if dropout > 0 else "flash"
+                diffs = megatorch_differences(setting, shape, t, 4, mask_bytes, attention)
+                rows.append(dict(shape=shape, t=t, setting=setting, measured=m.bytes,
+                                 f16=korthikanti_bytes(setting, shape, t, 2, 1),
+                                 f32=korthikanti_bytes(setting, shape, t, 4, mask_bytes),
+                                 model=megatorch_bytes(setting, shape, t, 4, mask_bytes, attention),
+                                 diffs=diffs, storages=m.storages))
+                assert abs(korthikanti_bytes(setting, shape, t) - reference_table_bytes(setting, shape, t)) < 1e-6
+    return rows
+
+
+def label(setting, t):
+    names = {"none": "TP" if t > 1 else "no parallelism", "tp+sp": "TP + SP", "selective": "TP + selective",
+             "tp+sp+selective": "TP + SP + selective", "full": "full recompute", "tp+sp+full": "TP + SP + full"}
+    return names[setting] if t > 1 or setting != "selective" else "selective"
+
+
+def markdown(rows) -> str:
+    out = ["| s | b | h | a | t | setting | paper, 16-bit | paper, fp32 | measured | measured / paper fp32 "
+           "| measured − paper fp32, term by term | sum exact |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sh = r["shape"]
+        exact = "yes" if r["measured"] == round(r["model"]) else f"NO, off by {r['measured'] - r['model']:.0f} B"
+        terms = ", ".join(f"{k} {'+' if v >= 0 else '−'}{fmt_bytes(abs(v))}" for k, v in r["diffs"].items()) or "0"
+        out.append(f"| {sh.s} | {sh.b} | {sh.h} | {sh.a} | {r['t']} | {label(r['setting'], r['t'])} "
+                   f"| {fmt_bytes(r['f16'])} | {fmt_bytes(r['f32'])} | {fmt_bytes(r['measured'])} "
+                   f"| {r['measured'] / r['f32']:.3f} | {terms} | {exact} |")
+    return "\n".join(out)
+
+
+def ratios(rows) -> str:
+    """Measured ratios between settings next to the paper's (fp32 and 16-bit)."""
+    by = {(r["shape"].s, r["shape"].b, r["shape"].h, r["shape"].a, r["t"], r["setting"]): r for r in rows}
+    pairs = [("tp+sp", "none", "TP+SP / TP"), ("selective", "none", "selective / none"),
+             ("tp+sp+selective", "tp+sp", "TP+SP+sel / TP+SP"), ("full", "none", "full / none")]
+    out = ["| s | b | h | a | t | ratio | measured | paper, fp32 | paper, 16-bit |", "|---|---|---|---|---|---|---|---|---|"]
+    for (s, b, h, a, t, setting), r in by.items():
+        for num, den, name in pairs:
+            if setting != den or (s, b, h, a, t, num) not in by:
+                continue
+            n = by[(s, b, h, a, t, num)]
+            out.append(f"| {s} | {b} | {h} | {a} | {t} | {name} | {n['measured'] / r['measured']:.4f} "
+                       f"| {n['f32'] / r['f32']:.4f} | {n['f16'] / r['f16']:.4f} |")
+    return "\n".join(out)
+
+
+def breakdown(row) -> str:
+    u = row["shape"].sbh
+    lines = [f"saved storages, {label(row['setting'], row['t'])} at t={row['t']} "
+             f"(s,b,h,a)=({row['shape'].s},{row['shape'].b},{row['shape'].h},{row['shape'].a}):"]
+    for nbytes, shape, dtype, producer in row["storages"]:
+        lines.append(f"  {nbytes / u:8.4f} bytes/sbh  {str(list(shape)):18s} {dtype:8s} {producer}")
+    lines.append("  differences from the paper (fp32): " + (", ".join(
+        f"{k} ({DIFFERENCES[k]}) {v / u:+.4f} bytes/sbh" for k, v in row["diffs"].items()) or "none"))
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="also write the markdown tables to this file")
+    parser.add_argument("--breakdown", action="store_true", help="print every saved storage of the t-max rows")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+    rank = 0
+    groups = {1: None}  # t -> the TP group this rank measures with
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for t in [2, 4, 8]:
+            if t <= world and world % t == 0:
+                subgroups = [dist.new_group(list(range(i, i + t))) for i in range(0, world, t)]  # every rank
+                groups[t] = subgroups[rank // t]
+    tps = sorted(groups)
+    shapes = [Shape(512, 1, 256, 8), Shape(256, 2, 512, 8), Shape(1024, 1, 512, 16)]
+    mask_bytes = dropout_mask_bytes(torch.device("cpu"))
+    rows = run(shapes, tps, groups, 0.1, mask_bytes)
+    rows_flash = run(shapes[:1], tps, groups, 0.0, mask_bytes)
+
+    legend = "; ".join(f"{k}: {v}" for k, v in DIFFERENCES.items())
+    text = [f"Measured on CPU, fp32, torch {torch.__version__}, t = {', '.join(map(str, tps))}; dropout keeps "
+            f"{mask_bytes}-byte elements. 'paper, fp32': the paper's terms with 4-byte activations and "
+            f"{mask_bytes}-byte masks. Differences: {legend}.", "",
+            "### With dropout 0.1 (attention: SDPA's math path, as the paper counts)", "", markdown(rows), "",
+            "### Ratios between settings (dropout 0.1)", "", ratios(rows), "",
+            "### Without dropout (attention: CPU flash attention, no s^2 tensors)", "", markdown(rows_flash)]
+    if rank == 0:
+        report = "\n".join(text)
+        print(report)
+        if args.breakdown:
+            for r in rows + rows_flash:
+                if r["t"] == max(tps) and r["shape"] == shapes[0]:
+                    print("\n" + breakdown(r))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(report + "\n")
+    bad = [r for r in rows + rows_flash if r["measured"] != round(r["model"])]
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if bad:
+        print(f"rank {rank}: {len(bad)} measurements differ from the explained count", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

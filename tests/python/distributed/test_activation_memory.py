@@ -1,0 +1,90 @@
+"""Activation memory of megatorch's C++ TransformerLayer, exact parts (docs/activation_memory.md).
+
+Measured with scripts/activation_memory.py's measure_layer: the bytes autograd keeps for
+backward after one layer's forward, one count per storage, parameters left out; fp32 on CPU
+(E = 4 bytes per activation; dropout keeps its fp32 scaled noise, M = 4 bytes per element).
+t = the world size (2 or 4 ranks), with the layer's TP group = every rank; u = s·b·h.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "activation_memory.py"
+_spec = importlib.util.spec_from_file_location("activation_memory", SCRIPT)
+am = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(am)
+
+SHAPE = am.Shape(s=64, b=2, h=64, a=4)
+E = 4
+
+
+def world():
+    return dist.get_world_size(), dist.group.WORLD
+
+
+def measure(setting, t, group, dropout=0.1):
+    return am.measure_layer(am.layer_config(SHAPE, setting, dropout), SHAPE.b, group if t > 1 else None, t)
+
+
+def test_dropout_keeps_a_4_byte_mask_on_cpu():
+    assert am.dropout_mask_bytes(torch.device("cpu")) == 4  # the M used below
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_full_recompute_keeps_exactly_the_layer_input(sp):
+    t, group = world()
+    for tp in [1, t]:
+        if sp and tp == 1:
+            continue
+        m = measure("tp+sp+full" if sp else "full", tp, group)
+        rows = SHAPE.s // tp if sp else SHAPE.s
+        assert m.bytes == E * rows * SHAPE.b * SHAPE.h  # s·b·h·4 (s/t·b·h·4 under SP)
+        assert [st[1:] for st in m.storages] == [((rows, SHAPE.b, SHAPE.h), "float32", "layer input")]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_sequence_parallel_divides_the_sequence_region_by_t(recompute):
+    """bytes(TP) − bytes(TP+SP) = (1 − 1/t)·R, R = 2·E·u (the two LayerNorm inputs) + 2·M·u
+    (the two hidden-dropout masks) + 4·E·s·b (the LayerNorms' mean and 1/std): the region
+    outside the tensor-parallel layers shrinks to R/t, and nothing else changes — the TP
+    region, and the inputs of QKV and fc1, which megatorch keeps all-gathered ([s, b, h])."""
+    t, group = world()
+    s, b, h = SHAPE.s, SHAPE.b, SHAPE.h
+    u = s * b * h
+    tp = measure("none" if recompute == "none" else "selective", t, group)
+    tp_sp = measure("tp+sp" if recompute == "none" else "tp+sp+selective", t, group)
+    region = 2 * E * u + 2 * 4 * u + 4 * E * s * b
+    assert tp.bytes - tp_sp.bytes == region - region // t
+    # The same, storage by storage: what SP splits has s/t rows, what it keeps whole has s.
+    split = sum(n for n, shape, _, _ in tp_sp.storages if len(shape) == 3 and shape[0] == s // t)
+    assert split == region // t
+
+
+def test_selective_recompute_drops_the_attention_core():
+    """bytes(none) − bytes(selective) is the core attention's own saved tensors, per rank:
+    with attention dropout (SDPA's math path) the softmax output, the dropout mask and the
+    dropout output (a·s²·b each: (2E + M)·a·s²·b/t) and the scaled copies of Q and K that the
+    math path makes (2·E·u/t); without dropout (CPU flash attention, no s² tensor) only its
+    log-sum-exp (4·a·s·b/t). Selective keeps Q, K, V (the fused QKV output) either way."""
+    t, group = world()
+    s, b, h, a = SHAPE.s, SHAPE.b, SHAPE.h, SHAPE.a
+    for tp in [1, t]:
+        none, selective = measure("none", tp, group), measure("selective", tp, group)
+        assert none.bytes - selective.bytes == ((2 * E + 4) * a * s * s * b + 2 * E * s * b * h) // tp
+        none, selective = measure("none", tp, group, 0.0), measure("selective", tp, group, 0.0)
+        assert none.bytes - selective.bytes == 4 * a * s * b // tp
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_every_setting_equals_the_paper_plus_the_explained_differences(dropout):
+    t, group = world()
+    for tp in [1, t]:
+        for setting in am.SETTINGS:
+            if tp == 1 and setting.startswith("tp+sp"):
+                continue
+            m = measure(setting, tp, group, dropout)
+            want = am.megatorch_bytes(setting, SHAPE, tp, 4, 4, "math" if dropout > 0 else "flash")
+            assert m.bytes == want, (setting, tp, m.storages)

@@ -1,0 +1,326 @@
+// megatorch.cpp: the C++ model from Python. TransformerConfig is a plain class whose
+// fields are keyword arguments and attributes (enums as Megatron's strings, dtype and
+// device as torch objects); GPTModel, TransformerLayer, ParallelAttention and ParallelMLP
+// are bound with torch::python::bind_module, so each is a torch.nn.Module delegating to
+// the C++ module (parameters, train/eval, to(), hooks); state_dict/load_state_dict are
+// bound here, as the wrapper cannot walk C++ children itself.
+// A group is a registered c10d group's name or a torch.distributed group; "" or None
+// means no tensor parallelism.
+#include <megatorch/megatorch.h>
+#include <torch/python.h>
+
+#include <algorithm>
+#include <cctype>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <type_traits>
+#include <vector>
+
+namespace py = pybind11;
+namespace tf = megatorch::transformer;
+using Config = tf::TransformerConfig;
+
+namespace {
+
+// ---- enums <-> Megatron's strings ("LayerNorm", "rope", "selective", ...)
+std::vector<tf::Normalization> values(tf::Normalization) { return {tf::Normalization::kLayerNorm, tf::Normalization::kRMSNorm}; }
+std::vector<tf::Activation> values(tf::Activation) { return {tf::Activation::kGeluTanh, tf::Activation::kSwiGLU}; }
+std::vector<tf::Positions> values(tf::Positions) { return {tf::Positions::kLearned, tf::Positions::kRope}; }
+std::vector<tf::Recompute> values(tf::Recompute) { return {tf::Recompute::kNone, tf::Recompute::kSelective, tf::Recompute::kFull}; }
+
+template <class T>
+constexpr bool is_config_enum = std::is_same_v<T, tf::Normalization> || std::is_same_v<T, tf::Activation> ||
+                                std::is_same_v<T, tf::Positions> || std::is_same_v<T, tf::Recompute>;
+
+std::string lower(std::string s) {
+  for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+// A Python value for a field of type T, with an error that names the field.
+template <class T>
+T from_py(const py::handle& v, const std::string& field) {
+  try {
+    if constexpr (is_config_enum<T>) {
+      const auto s = py::cast<std::string>(v);
+      std::string valid;
+      for (T e : values(T{})) {
+        if (lower(s) == lower(tf::to_string(e))) return e;
+        valid += std::string(valid.empty() ? "" : ", ") + "'" + tf::to_string(e) + "'";
+      }
+      throw py::value_error("TransformerConfig." + field + ": expected one of " + valid + ", got '" + s + "'");
+    } else if constexpr (std::is_same_v<T, c10::Device>) {
+      return py::isinstance<py::str>(v) ? c10::Device(py::cast<std::string>(v)) : py::cast<c10::Device>(v);
+    } else {
+      return py::cast<T>(v);
+    }
+  } catch (const py::cast_error&) {
+    throw py::type_error("TransformerConfig." + field + ": cannot take a value of type " +
+                         py::str(py::type::of(v)).cast<std::string>());
+  }
+}
+
+template <class T>
+py::object to_py(const T& v) {
+  if constexpr (is_config_enum<T>) {
+    return py::str(tf::to_string(v));
+  } else {
+    return py::cast(v);
+  }
+}
+
+struct Field {
+  std::string name;
+  std::function<py::object(const Config&)> get;
+  std::function<void(Config&, const py::handle&)> set;
+};
+
+template <class Get, class Set>
+Field field(const char* name, Get get, Set set) {
+  using T = std::decay_t<std::invoke_result_t<Get, const Config&>>;
+  return {name, [get](const Config& c) { return to_py<T>(get(c)); },
+          [set, name](Config& c, const py::handle& v) { set(c, from_py<T>(v, name)); }};
+}
+
+#define MT_FIELD(name) \
+  field(#name, [](const Config& c) { return c.name(); }, [](Config& c, const auto& v) { c.name(v); })
+
+// Every field of TransformerConfig, in declaration order (config.h documents each).
+const std::vector<Field>& fields() {
+  static const std::vector<Field> all = {
+      MT_FIELD(hidden_size), MT_FIELD(num_attention_heads), MT_FIELD(num_query_groups),
+      MT_FIELD(ffn_hidden_size), MT_FIELD(num_layers), MT_FIELD(seq_length),
+      MT_FIELD(max_position_embeddings), MT_FIELD(vocab_size), MT_FIELD(make_vocab_size_divisible_by),
+      MT_FIELD(normalization), MT_FIELD(norm_epsilon), MT_FIELD(activation),
+      MT_FIELD(position_embedding_type), MT_FIELD(rotary_base), MT_FIELD(attention_dropout),
+      MT_FIELD(hidden_dropout), MT_FIELD(add_bias_linear), MT_FIELD(tie_embeddings),
+      MT_FIELD(sequence_parallel), MT_FIELD(recompute), MT_FIELD(params_dtype),
+      MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
+      MT_FIELD(shard_local_init),
+  };
+  return all;
+}
+#undef MT_FIELD
+
+void set_fields(Config& c, const py::dict& kwargs) {
+  for (const auto& [key, value] : kwargs) {
+    const auto name = py::cast<std::string>(key);
+    auto it = std::find_if(fields().begin(), fields().end(), [&](const Field& f) { return f.name == name; });
+    if (it == fields().end()) {
+      std::string known;
+      for (const auto& f : fields()) known += (known.empty() ? "" : ", ") + f.name;
+      throw py::type_error("TransformerConfig has no field '" + name + "'; the fields are: " + known);
+    }
+    it->set(c, value);
+  }
+}
+
+py::dict as_dict(const Config& c) {
+  py::dict d;
+  for (const auto& f : fields()) d[py::str(f.name)] = f.get(c);
+  return d;
+}
+
+std::string repr(const Config& c) {
+  std::ostringstream out;
+  out << "TransformerConfig(";
+  for (size_t i = 0; i < fields().size(); ++i) {
+    out << (i ? ", " : "") << fields()[i].name << "=" << py::repr(fields()[i].get(c)).cast<std::string>();
+  }
+  return out.str() + ")";
+}
+
+// A group given as a name, a torch.distributed ProcessGroup (its group_name) or None.
+std::string group_name(const py::object& group) {
+  if (group.is_none()) return "";
+  if (py::isinstance<py::str>(group)) return group.cast<std::string>();
+  if (py::hasattr(group, "group_name")) return group.attr("group_name").cast<std::string>();
+  throw py::type_error("megatorch: expected a group name (str), a torch.distributed ProcessGroup or None, got " +
+                       py::str(py::type::of(group)).cast<std::string>());
+}
+
+// Dropout streams for a layer built on its own, seeded as GPTModel seeds its own
+// (config.seed, tp rank); GPTModel makes one when none is given.
+std::shared_ptr<megatorch::tp::RngTracker> rng_for(const Config& c, const std::string& group) {
+  auto rng = std::make_shared<megatorch::tp::RngTracker>();
+  rng->seed(c.seed(), megatorch::tp::tp_info(group).rank, c.device());
+  return rng;
+}
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
+
+// state_dict() / load_state_dict() over the module's parameters and buffers, by their
+// C++ names (the same names GPTModel's parity tests and checkpoints use).
+template <class M>
+void add_state_dict(torch::python::detail::PyModuleClass<M>& cls) {
+  cls.def(
+      "state_dict",
+      [](M& self, const std::string& prefix, bool keep_vars) {
+        py::dict out;
+        for (const auto& items : {self.named_parameters(), self.named_buffers()}) {
+          for (const auto& item : items) out[py::str(prefix + item.key())] = keep_vars ? item.value() : item.value().detach();
+        }
+        return out;
+      },
+      py::kw_only(), py::arg("prefix") = "", py::arg("keep_vars") = false);
+  cls.def(
+      "load_state_dict",
+      [](M& self, const std::map<std::string, at::Tensor>& state, bool strict) {
+        std::vector<std::pair<std::string, at::Tensor>> targets;
+        for (const auto& items : {self.named_parameters(), self.named_buffers()}) {
+          for (const auto& item : items) targets.emplace_back(item.key(), item.value());
+        }
+        std::vector<std::string> missing, unexpected;
+        for (const auto& [name, t] : targets) {
+          auto it = state.find(name);
+          if (it == state.end()) {
+            missing.push_back(name);
+          } else if (it->second.sizes() != t.sizes()) {
+            throw py::value_error("load_state_dict: '" + name + "' has shape " + c10::str(it->second.sizes()) +
+                                  ", the module's is " + c10::str(t.sizes()));
+          }
+        }
+        for (const auto& [name, t] : state) {
+          auto same = [&name = name](const auto& target) { return target.first == name; };
+          if (std::find_if(targets.begin(), targets.end(), same) == targets.end()) unexpected.push_back(name);
+        }
+        if (strict && (!missing.empty() || !unexpected.empty())) {
+          throw py::key_error("load_state_dict: missing keys [" + c10::Join(", ", missing) + "], unexpected keys [" +
+                              c10::Join(", ", unexpected) + "]");
+        }
+        torch::NoGradGuard no_grad;
+        for (auto& [name, t] : targets) {
+          if (state.count(name)) t.copy_(state.at(name));
+        }
+        return py::make_tuple(missing, unexpected);
+      },
+      py::arg("state_dict"), py::arg("strict") = true, "Copies the tensors in; returns (missing_keys, unexpected_keys)");
+}
+
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+}  // namespace
+
+PYBIND11_MODULE(_cpp, m) {
+  m.doc() = "megatorch's C++ model (GPTModel, TransformerLayer, ...) as torch.nn.Modules";
+
+  py::class_<Config> config(m, "TransformerConfig",
+                     "The one description of a GPT-style model (include/megatorch/transformer/config.h).\n"
+                     "Every field is a keyword argument and an attribute; enums are strings:\n"
+                     "normalization 'LayerNorm'|'RMSNorm', activation 'gelu_tanh'|'swiglu',\n"
+                     "position_embedding_type 'learned_absolute'|'rope', recompute 'none'|'selective'|'full';\n"
+                     "params_dtype a torch.dtype, device a torch.device or a string.");
+  config.def(py::init([](const py::kwargs& kwargs) {
+        Config c;
+        set_fields(c, kwargs);
+        return c;
+      }))
+      .def("replace",
+           [](const Config& c, const py::kwargs& kwargs) {
+             Config out = c;
+             set_fields(out, kwargs);
+             return out;
+           },
+           "A copy with the given fields changed.")
+      .def("to_dict", &as_dict, "{field: value} for every field (the keyword arguments that rebuild it)")
+      .def("validate", &Config::validate, py::arg("tp_size") = 1, "Every constraint against a TP size.")
+      .def_property_readonly("head_dim", &Config::head_dim)
+      .def_property_readonly("ffn", &Config::ffn, "ffn_hidden_size, or its default when 0")
+      .def_property_readonly("query_groups", &Config::query_groups)
+      .def("__repr__", &repr)
+      .def(py::pickle(&as_dict, [](const py::dict& d) {
+        Config c;
+        set_fields(c, d);
+        return c;
+      }));
+  for (const auto& f : fields()) {
+    config.def_property(f.name.c_str(), py::cpp_function([get = f.get](const Config& c) { return get(c); }),
+                        py::cpp_function([set = f.set](Config& c, const py::object& v) { set(c, v); }));
+  }
+
+  using megatorch::models::GPTModelImpl;
+  using megatorch::models::GPTModelOptions;
+  auto gpt = torch::python::bind_module<GPTModelImpl, /*force_enable=*/true>(m, "GPTModel");
+  add_state_dict(gpt);
+  gpt.def(py::init([](const Config& c, const py::object& group, int64_t layer_begin, int64_t layer_end,
+                       bool pre_process, bool post_process) {
+             return std::make_shared<GPTModelImpl>(GPTModelOptions(c)
+                                                       .group(group_name(group))
+                                                       .layer_begin(layer_begin)
+                                                       .layer_end(layer_end)
+                                                       .pre_process(pre_process)
+                                                       .post_process(post_process));
+           }),
+           py::arg("config"), py::arg("group") = py::none(), py::arg("layer_begin") = 0, py::arg("layer_end") = -1,
+           py::arg("pre_process") = true, py::arg("post_process") = true,
+           "The model's layers [layer_begin, layer_end) (-1: num_layers), with the embedding (pre_process) and the\n"
+           "head (post_process). Like the C++ model it seeds torch's default generator with config.seed and its\n"
+           "dropout streams with config.seed + tp rank.")
+      .def("forward", &GPTModelImpl::forward, py::arg("input"), release_gil(),
+           "token ids [b, s] (or hidden states [s, b, h] without pre_process) -> logits shard [s, b, Vp/tp] "
+           "(or hidden states without post_process)")
+      .def("__call__", &GPTModelImpl::forward, py::arg("input"), release_gil())
+      .def("loss", &GPTModelImpl::loss, py::arg("ids"), py::arg("labels"), py::arg("ignore_index") = -100,
+           release_gil(), "Mean loss over the non-ignored tokens of ids [b, s], labels [b, s]")
+      .def("per_token_loss", &GPTModelImpl::per_token_loss, py::arg("logits"), py::arg("labels"),
+           py::arg("ignore_index") = -100, release_gil(), "Loss [s, b] from a logits shard and labels [b, s]")
+      .def("allreduce_sequence_parallel_grads", &GPTModelImpl::allreduce_sequence_parallel_grads, release_gil())
+      .def("sequence_parallel_parameters", &GPTModelImpl::sequence_parallel_parameters)
+      .def("output_weight", &GPTModelImpl::output_weight)
+      .def_property_readonly("config", [](const GPTModelImpl& self) { return self.options.config(); })
+      .def_property_readonly("group", [](const GPTModelImpl& self) { return self.options.group(); })
+      .def_property_readonly("layer_range", [](const GPTModelImpl& self) {
+        return py::make_tuple(self.options.layer_begin(), self.options.layer_end());
+      });
+
+  using tf::TransformerLayerImpl;
+  auto layer = torch::python::bind_module<TransformerLayerImpl, /*force_enable=*/true>(m, "TransformerLayer");
+  add_state_dict(layer);
+  layer.def(py::init([](const Config& c, const py::object& group, int64_t layer_number) {
+             const auto name = group_name(group);
+             return std::make_shared<TransformerLayerImpl>(
+                 tf::TransformerLayerOptions(c).group(name).layer_number(layer_number).rng(rng_for(c, name)));
+           }),
+           py::arg("config"), py::arg("group") = py::none(), py::arg("layer_number") = 0,
+           "Layer `layer_number` of a GPTModel (same weights); its dropout streams are seeded as GPTModel's\n"
+           "(this seeds torch's default generator with config.seed).")
+      .def("forward",
+           [](TransformerLayerImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& rope_freqs) {
+             return self.forward(x, or_undefined(rope_freqs));
+           },
+           py::arg("x"), py::arg("rope_freqs") = py::none(), release_gil(),
+           "x [s, b, h] ([s/tp, b, h] with sequence parallelism) -> same shape")
+      .def("sequence_parallel_parameters", &TransformerLayerImpl::sequence_parallel_parameters)
+      .def_property_readonly("config", [](const TransformerLayerImpl& self) { return self.options.config(); });
+
+  using tf::ParallelAttentionImpl;
+  auto attention = torch::python::bind_module<ParallelAttentionImpl, /*force_enable=*/true>(m, "ParallelAttention");
+  add_state_dict(attention);
+  attention.def(py::init([](const Config& c, const py::object& group, const std::string& name) {
+             const auto g = group_name(group);
+             return std::make_shared<ParallelAttentionImpl>(
+                 tf::ParallelAttentionOptions(c).group(g).name(name).rng(rng_for(c, g)));
+           }),
+           py::arg("config"), py::arg("group") = py::none(), py::arg("name") = "attention")
+      .def("forward",
+           [](ParallelAttentionImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& rope_freqs) {
+             return self.forward(x, or_undefined(rope_freqs));
+           },
+           py::arg("x"), py::arg("rope_freqs") = py::none(), release_gil())
+      .def("core_attention", &ParallelAttentionImpl::core_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+           release_gil(), "softmax(QK^T/sqrt(d))V: q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d]");
+
+  using tf::ParallelMLPImpl;
+  auto mlp = torch::python::bind_module<ParallelMLPImpl, /*force_enable=*/true>(m, "ParallelMLP");
+  add_state_dict(mlp);
+  mlp.def(py::init([](const Config& c, const py::object& group, const std::string& name) {
+             return std::make_shared<ParallelMLPImpl>(tf::ParallelMLPOptions(c).group(group_name(group)).name(name));
+           }),
+           py::arg("config"), py::arg("group") = py::none(), py::arg("name") = "mlp")
+      .def("forward", &ParallelMLPImpl::forward, py::arg("x"), release_gil());
+
+  m.def("rope_frequencies", &tf::rope_frequencies, py::arg("seq_length"), py::arg("head_dim"),
+        py::arg("base") = 10000.0, py::arg("device") = c10::Device(c10::kCPU),
+        "RoPE angles [s, 1, 1, head_dim] for TransformerLayer/ParallelAttention.forward(x, rope_freqs)");
+}
