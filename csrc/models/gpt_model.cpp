@@ -60,14 +60,8 @@ void GPTModelImpl::reset() {
       // from the embedding's name (same numbers), kept in sync by the pipeline.
       const int64_t vp = tp::padded_vocab_size(c.vocab_size(), tp.size, c.make_vocab_size_divisible_by());
       const std::string name = c.tie_embeddings() ? "embedding.word.weight" : "output_layer.weight";
-      tp::ShardSpec full{{c.vocab_size(), c.hidden_size()}, -1, 0, 1, 1};
-      at::Tensor w = at::zeros({vp / tp.size, c.hidden_size()}, at::kFloat);
-      const int64_t start = tp.rank * (vp / tp.size);
-      const int64_t real = std::max<int64_t>(0, std::min(vp / tp.size, c.vocab_size() - start));
-      if (real > 0) {
-        w.narrow(0, 0, real).copy_(tp::init_shard(full, name, c.seed(), tp::InitMethod::kNormal, c.init_std())
-                                       .narrow(0, start, real));
-      }
+      const at::Tensor w = tp::init_vocab_shard(c.vocab_size(), c.hidden_size(), vp, tp, name,
+                                                transformer::param_init(c, name));
       output_layer = register_parameter("output_layer", w.to(t));
     }
   }

@@ -31,6 +31,24 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
   return map_region(sequence_parallel ? comm::Mapping::kReduceScatterToSP : comm::Mapping::kReduceFromTP, out, group);
 }
 
+at::Tensor init_vocab_shard(int64_t vocab, int64_t hidden, int64_t padded_vocab, const TPInfo& tp,
+                            const std::string& name, const ParamInitOptions& init) {
+  const int64_t rows = padded_vocab / tp.size, start = tp.rank * rows;
+  at::Tensor shard = at::zeros({rows, hidden}, at::kFloat);
+  const int64_t real = std::max<int64_t>(0, std::min(rows, vocab - start));
+  if (real == 0) return shard;
+  if (init.shard_local()) {
+    ShardSpec spec{{tp.size * rows, hidden}, 0, tp.rank, tp.size, 1};
+    shard.narrow(0, 0, real).copy_(init_shard(spec, name, init.seed(), InitMethod::kNormal, init.std(), true)
+                                       .narrow(0, 0, real));
+    return shard;
+  }
+  ShardSpec full{{vocab, hidden}, -1, 0, 1, 1};
+  shard.narrow(0, 0, real).copy_(
+      init_shard(full, name, init.seed(), InitMethod::kNormal, init.std()).narrow(0, start, real));
+  return shard;
+}
+
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options_)
     : options(std::move(options_)) {
   reset();
@@ -46,24 +64,8 @@ void VocabParallelEmbeddingImpl::reset() {
 
 void VocabParallelEmbeddingImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
-  // The real rows are drawn as a [V, h] tensor whatever the padding, so every TP size
-  // (and so every padded size) starts from the same numbers; padded rows are zero.
-  const int64_t vocab = options.num_embeddings(), h = options.embedding_dim();
-  const int64_t rows = padded_vocab_ / tp.size, start = vocab_start();
-  weight.zero_();
-  const int64_t real = std::max<int64_t>(0, std::min(rows, vocab - start));
-  if (real == 0) return;
-  if (options.init().shard_local()) {
-    ShardSpec spec{{tp.size * rows, h}, 0, tp.rank, tp.size, 1};
-    weight.narrow(0, 0, real).copy_(init_shard(spec, options.init().name() + ".weight", options.init().seed(),
-                                               InitMethod::kNormal, options.init().std(), true)
-                                        .narrow(0, 0, real));
-    return;
-  }
-  ShardSpec full{{vocab, h}, -1, 0, 1, 1};
-  at::Tensor all = init_shard(full, options.init().name() + ".weight", options.init().seed(), InitMethod::kNormal,
-                              options.init().std());
-  weight.narrow(0, 0, real).copy_(all.narrow(0, start, real));
+  weight.copy_(init_vocab_shard(options.num_embeddings(), options.embedding_dim(), padded_vocab_, tp,
+                                options.init().name() + ".weight", options.init()));
 }
 
 void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {

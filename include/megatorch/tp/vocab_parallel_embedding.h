@@ -14,6 +14,13 @@ namespace megatorch::tp {
 // Megatron's padding: the smallest multiple of tp * divisible_by that is >= vocab.
 int64_t padded_vocab_size(int64_t vocab, int64_t tp_size, int64_t divisible_by = 128);
 
+// This rank's [Vp/tp, h] fp32 rows of a vocabulary table named `name`: the real rows
+// drawn as one [V, h] tensor whatever the padding (so every TP size starts from the same
+// numbers, or per shard with init.shard_local), padded rows zero. Shared by the
+// embedding and by an output layer tied to it on another pipeline stage.
+at::Tensor init_vocab_shard(int64_t vocab, int64_t hidden, int64_t padded_vocab, const TPInfo& tp,
+                            const std::string& name, const ParamInitOptions& init);
+
 // ids (any shape) -> ids.shape + [h], summed over the group. With sequence_parallel the
 // ids are [s, b] and the result is reduce-scattered along s: [s/tp, b, h].
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, const std::string& group,
