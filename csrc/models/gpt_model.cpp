@@ -89,13 +89,41 @@ at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
 
 at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
   const auto& c = options.config();
+  if (unit_hooks_) unit_hooks_->before_forward(first_unit_);
   at::Tensor h = options.pre_process() ? embed(input) : input;
-  for (const auto& layer : *layers) h = layer->as<transformer::TransformerLayer>()->forward(h, rope_freqs_);
-  if (!options.post_process()) return h;
-  h = final_norm->forward(h);
-  // The head is a column-parallel layer over the vocabulary that keeps its output split.
-  h = tp::map_region(c.sequence_parallel() ? Mapping::kGatherFromSP : Mapping::kCopyToTP, h, options.group());
-  return at::linear(h, output_weight());
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const int64_t unit = first_unit_ + 1 + static_cast<int64_t>(i);
+    if (unit_hooks_) unit_hooks_->before_forward(unit);
+    h = layers[i]->as<transformer::TransformerLayer>()->forward(h, rope_freqs_);
+    if (unit_hooks_) h = unit_hooks_->after_forward(unit, h);
+  }
+  if (options.post_process()) {
+    h = final_norm->forward(h);
+    // The head is a column-parallel layer over the vocabulary that keeps its output split.
+    h = tp::map_region(c.sequence_parallel() ? Mapping::kGatherFromSP : Mapping::kCopyToTP, h, options.group());
+    h = at::linear(h, output_weight());
+  }
+  if (unit_hooks_) h = unit_hooks_->after_forward(first_unit_, h);
+  return h;
+}
+
+std::vector<std::vector<at::Tensor>> GPTModelImpl::parameter_units() const {
+  std::vector<std::vector<at::Tensor>> units(1 + layers->size());
+  for (const auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    if (name.rfind("layers.", 0) == 0) {
+      const int64_t i = std::stoll(name.substr(7, name.find('.', 7) - 7));
+      units[1 + i].push_back(item.value());
+    } else {
+      units[0].push_back(item.value());
+    }
+  }
+  return units;
+}
+
+void GPTModelImpl::set_unit_hooks(std::shared_ptr<UnitHooks> hooks, int64_t first_unit) {
+  unit_hooks_ = std::move(hooks);
+  first_unit_ = first_unit;
 }
 
 at::Tensor GPTModelImpl::per_token_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index) const {

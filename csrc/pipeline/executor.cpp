@@ -1,5 +1,7 @@
 #include "megatorch/pipeline/executor.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -55,6 +57,8 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
                   schedule_kind_name(options.schedule()), " schedule runs one chunk per stage, got ", v,
                   " virtual chunks; use the interleaved schedule");
   const auto actions = build_schedule(options.schedule(), p, m, v, rank);
+  int64_t backwards_left = std::count_if(actions.begin(), actions.end(),
+                                         [](const Action& a) { return a.kind == ActionKind::kBackward; });
   std::unique_ptr<comm::Group> pp;
   if (p > 1) pp = std::make_unique<comm::Group>(stage->options.pp_group());
   const auto& cfg = stage->options.config();
@@ -159,8 +163,9 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         const auto start = Clock::now();
         free_sent_outputs(false);
         Stash& s = stash.at(key);
+        if (options.before_backward()) options.before_backward()(--backwards_left == 0);
         if (stage->is_last_virtual_stage(a.chunk)) {
-          backward_from(s.output, at::ones_like(s.output));
+          backward_from(s.output, at::full_like(s.output, options.loss_scale()));
         } else if (p == 1) {  // interleaved on one rank: the next chunk's input gradient
           backward_from(s.output, stash.at({a.microbatch, a.chunk + 1}).input.grad());
         } else {

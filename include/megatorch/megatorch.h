@@ -27,3 +27,7 @@
 #include "megatorch/pipeline/schedule.h"
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/pipeline/timeline_svg.h"
+#include "megatorch/optim/bucket_layout.h"
+#include "megatorch/optim/distributed_optimizer.h"
+#include "megatorch/optim/loss_scaler.h"
+#include "megatorch/optim/model_parameters.h"

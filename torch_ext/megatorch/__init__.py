@@ -10,5 +10,6 @@ from .comm import comm_stats, reset_comm_stats
 load_library()
 
 from . import nn  # noqa: E402  (needs the operators loaded)
+from . import optim  # noqa: E402
 
-__all__ = ["comm_stats", "reset_comm_stats", "library_path", "load_library", "nn"]
+__all__ = ["comm_stats", "reset_comm_stats", "library_path", "load_library", "nn", "optim"]

@@ -146,3 +146,77 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+
+
+class FullyShard(nn.Module):
+    """ZeRO-3 from Python: wraps ``module`` so that a DistributedOptimizer with
+    ``zero_stage=3`` keeps only its shard of each unit's parameters between uses.
+
+    Units are the direct children of ``module`` that have parameters (or ``units``),
+    plus the root unit (the parameters left over). Each unit is all-gathered right before
+    its forward, freed after it, gathered again before its backward and freed once its
+    gradients are reduce-scattered; the next unit is prefetched. Until an optimizer is
+    attached the wrapper is a plain pass-through.
+    """
+
+    def __init__(self, module: nn.Module, group: GroupLike, units: Optional[list] = None):
+        super().__init__()
+        self.module = module
+        self.group = _group_name(group)
+        unit_modules = units if units is not None else [m for m in module.children() if any(True for _ in m.parameters())]
+        seen = set()
+        self._units = [[]]  # unit 0: the root
+        for m in unit_modules:
+            ps = [p for p in m.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in ps)
+            self._units.append(ps)
+        self._units[0] = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+        self._opt = None
+        for i, p in enumerate(q for u in self._units for q in u):
+            p._megatorch_fully_shard = self
+        for k, m in enumerate(unit_modules, start=1):
+            m.register_forward_pre_hook(lambda mod, args, k=k: self._before(k))
+            m.register_forward_hook(lambda mod, args, out, k=k: self._after(k, out))
+
+    @staticmethod
+    def _owner_of(params):
+        owners = {id(getattr(p, "_megatorch_fully_shard", None)): getattr(p, "_megatorch_fully_shard", None)
+                  for p in params}
+        owners.pop(id(None), None)
+        if len(owners) > 1:
+            raise ValueError("megatorch: parameters from several FullyShard modules; use one optimizer per module")
+        return next(iter(owners.values()), None)
+
+    def _attach(self, opt) -> None:
+        self._opt = opt
+
+    def _before(self, unit: int) -> None:
+        if self._opt is None:
+            return
+        self._opt.gather_unit(unit)
+        if unit + 1 < len(self._units):
+            self._opt.prefetch_unit(unit + 1)
+
+    def _after(self, unit: int, out):
+        if self._opt is None:
+            return out
+        self._opt.release_unit(unit)
+        if not torch.is_grad_enabled():
+            return out
+        opt, n = self._opt, len(self._units)
+
+        def gather_for_backward(grad, unit=unit):
+            opt.gather_unit(unit)
+            prev = n - 1 if unit == 0 else unit - 1
+            if prev >= 1:
+                opt.prefetch_unit(prev)
+            return grad
+
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(gather_for_backward)
+        return out
+
+    def forward(self, *args, **kwargs):
+        self._before(0)
+        return self._after(0, self.module(*args, **kwargs))

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "megatorch/models/unit_hooks.h"
 #include "megatorch/tp/vocab_parallel_embedding.h"
 #include "megatorch/transformer/transformer_layer.h"
 
@@ -47,6 +48,14 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
   void allreduce_sequence_parallel_grads();
   std::vector<at::Tensor> sequence_parallel_parameters() const;
 
+  // The parameters unit by unit: unit 0 is everything outside the layers (embeddings,
+  // final norm, output layer; empty on a middle pipeline stage), unit 1 + i is layer i of
+  // this chunk. ZeRO-3 gathers and frees a unit at once.
+  std::vector<std::vector<at::Tensor>> parameter_units() const;
+  // Runs hooks->before_forward / after_forward around each unit, numbered from
+  // `first_unit` (several chunks can share one optimizer). nullptr removes them.
+  void set_unit_hooks(std::shared_ptr<UnitHooks> hooks, int64_t first_unit = 0);
+
   // The output layer's weight shard [Vp/tp, h] (the embedding's when tied).
   at::Tensor output_weight() const;
 
@@ -61,6 +70,8 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
  private:
   at::Tensor embed(const at::Tensor& ids);
   at::Tensor rope_freqs_;
+  std::shared_ptr<UnitHooks> unit_hooks_;
+  int64_t first_unit_ = 0;
 };
 TORCH_MODULE(GPTModel);
 

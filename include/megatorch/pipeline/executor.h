@@ -1,4 +1,5 @@
 #pragma once
+#include <functional>
 // Runs a schedule's action list on this pipeline rank: non-blocking p2p over the PP
 // group (shapes known from the config), micro-batch losses averaged, gradients
 // accumulated, each stage output freed once sent (Megatron's deallocation: only its
@@ -34,6 +35,12 @@ struct ExecutorOptions {
   TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kOneFOneB;
   // Free each stage output once its send completed (keeps only its graph).
   TORCH_ARG(bool, deallocate_outputs) = true;
+  // The last stage's loss is multiplied by this before backward (fp16 loss scaling);
+  // the returned loss is not.
+  TORCH_ARG(double, loss_scale) = 1.0;
+  // Called before each backward, with true for this rank's last one of the step (a
+  // data-parallel optimizer starts its gradient reduction during that one).
+  TORCH_ARG(std::function<void(bool)>, before_backward) = nullptr;
 };
 
 // One training step's forward and backward over all micro-batches (no optimizer step).

@@ -1,0 +1,583 @@
+#include "megatorch/optim/distributed_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "megatorch/check.h"
+#include "megatorch/kernels/fused_adamw.h"
+#include "megatorch/optim/storage.h"
+
+namespace megatorch::optim {
+namespace {
+
+bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Overlap of [a, a + n) and [b, b + m), as (begin, length); length 0 when disjoint.
+std::pair<int64_t, int64_t> overlap(int64_t a, int64_t n, int64_t b, int64_t m) {
+  const int64_t lo = std::max(a, b), hi = std::min(a + n, b + m);
+  return {lo, std::max<int64_t>(0, hi - lo)};
+}
+
+// Runs after autograd has accumulated a parameter's gradient (once per backward).
+class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  void operator()(const torch::autograd::Variable&) override { fn_(); }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+struct BucketState {
+  at::Tensor grad_full;    // [n] gradients; stages 2-3: staging, undefined between steps
+  at::Tensor grad_shard;   // the owned range [n/d] (stage 0: all n)
+  at::Tensor param_full;   // [n] parameters; stage 3: its storage is freed between uses
+  at::Tensor param_shard;  // the owned range (stage 3: the only persistent copy)
+  at::Tensor master;       // fp32 owned range (aliases param_shard for fp32 parameters)
+  at::Tensor exp_avg, exp_avg_sq;  // AdamW; SGD keeps its momentum in exp_avg
+  int64_t ready = 0;
+  bool launched = false;
+  comm::Work work;
+  bool gathered = true;
+  std::optional<comm::Work> prefetch;
+};
+
+struct DistributedOptimizer::State {
+  std::vector<BucketState> buckets;
+  std::vector<at::Tensor> param_buffers, grad_buffers;  // stages 0-2 / 0-1, per dtype
+  std::vector<std::vector<int64_t>> unit_buckets;
+  std::vector<int64_t> unit_ready;
+};
+
+namespace {
+// The range of bucket b this rank owns: all of it at stage 0.
+std::pair<int64_t, int64_t> owned(const BucketPlace& b, int64_t stage, int64_t rank, int64_t dp) {
+  if (stage == 0) return {0, b.numel};
+  return {rank * b.numel / dp, b.numel / dp};
+}
+}  // namespace
+
+DistributedOptimizer::DistributedOptimizer(std::vector<std::vector<at::Tensor>> units, const std::string& dp_group,
+                                           DistributedOptimizerOptions options, std::vector<ParamInfo> info)
+    : units_(std::move(units)), info_(std::move(info)), dp_(dp_group), options_(std::move(options)),
+      state_(std::make_unique<State>()) {
+  const int64_t stage = options_.zero_stage();
+  MEGATORCH_CHECK(stage >= 0 && stage <= 3, "DistributedOptimizer: expected zero_stage in 0..3, got ", stage,
+                  "; use 0 (plain DP), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)");
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (const auto& p : units_[u]) {
+      MEGATORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(),
+                      "DistributedOptimizer: expected leaf parameters that require grad; parameter ", params_.size(),
+                      " is not (pass model.parameters())");
+      MEGATORCH_CHECK(p.scalar_type() == at::kFloat || is_16bit(p.scalar_type()),
+                      "DistributedOptimizer: expected fp32, bf16 or fp16 parameters; parameter ", params_.size(), " is ",
+                      p.scalar_type());
+      params_.push_back(p);
+      unit_of_param_.push_back(static_cast<int64_t>(u));
+    }
+  }
+  MEGATORCH_CHECK(!params_.empty(), "DistributedOptimizer: got no parameters; pass the model's parameters");
+  if (info_.empty()) info_.resize(params_.size());
+  MEGATORCH_CHECK(info_.size() == params_.size(), "DistributedOptimizer: expected one ParamInfo per parameter (",
+                  params_.size(), "), got ", info_.size());
+  const bool has_fp16 = std::any_of(params_.begin(), params_.end(), [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; });
+  MEGATORCH_CHECK(!has_fp16 || options_.loss_scaler(),
+                  "DistributedOptimizer: fp16 parameters need a loss scaler (their gradients overflow without one); set "
+                  "DistributedOptimizerOptions::loss_scaler (e.g. std::make_shared<DynamicLossScaler>()), or use bf16");
+  const int64_t dp = dp_.size();
+  check_same_parameters_across_ranks();
+  const int64_t bucket = options_.bucket_size() > 0 ? options_.bucket_size() : default_bucket_size(dp);
+  layout_ = build_bucket_layout(units_, bucket, dp, stage == 3);
+  build_buffers();
+  register_hooks();
+}
+
+DistributedOptimizer::~DistributedOptimizer() {
+  for (const auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+}
+
+std::pair<int64_t, int64_t> DistributedOptimizer::owned_range(int64_t b) const {
+  return owned(layout_.buckets[b], options_.zero_stage(), dp_.rank(), dp_.size());
+}
+
+// Every DP rank must hold the same parameter list, or the bucket collectives would not
+// match: compare a fingerprint first and fail on every rank (no hang) when they differ.
+void DistributedOptimizer::check_same_parameters_across_ranks() {
+  if (dp_.size() == 1) return;
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) { hash = (hash ^ v) * 1099511628211ull; };
+  int64_t numel = 0;
+  for (const auto& p : params_) {
+    mix(static_cast<uint64_t>(p.scalar_type()));
+    for (int64_t d : p.sizes()) mix(static_cast<uint64_t>(d));
+    numel += p.numel();
+  }
+  at::Tensor mine = at::tensor({static_cast<int64_t>(params_.size()), numel, static_cast<int64_t>(hash >> 1),
+                                static_cast<int64_t>(units_.size())},
+                               at::kLong);
+  if (params_[0].is_cuda()) mine = mine.to(params_[0].device());
+  const at::Tensor all = dp_.all_gather(mine).cpu().view({dp_.size(), 4});
+  for (int64_t r = 0; r < dp_.size(); ++r) {
+    MEGATORCH_CHECK(at::equal(all[r], all[0]), "DistributedOptimizer: expected the same parameters on every rank of DP group '",
+                    dp_.name(), "'; rank 0 has ", all[0][0].item<int64_t>(), " parameters (", all[0][1].item<int64_t>(),
+                    " elements) in ", all[0][3].item<int64_t>(), " units, rank ", r, " has ", all[r][0].item<int64_t>(), " (",
+                    all[r][1].item<int64_t>(), " elements) in ", all[r][3].item<int64_t>(),
+                    " units, or their shapes/dtypes differ; build the same model on every DP rank");
+  }
+}
+
+void DistributedOptimizer::build_buffers() {
+  const int64_t stage = options_.zero_stage(), dp = dp_.size();
+  const auto device = params_[0].device();
+  auto& st = *state_;
+  st.buckets.resize(layout_.buckets.size());
+  st.unit_buckets.assign(units_.size(), {});
+  st.unit_ready.assign(units_.size(), 0);
+  auto grad_dtype = [&](at::ScalarType t) { return is_16bit(t) && options_.grad_in_fp32() ? at::kFloat : t; };
+  // Stages 0-2 keep every parameter in one flat buffer per dtype (stage 3 one per unit).
+  for (const auto& [dtype, numel] : layout_.buffers) {
+    if (stage < 3) st.param_buffers.push_back(at::zeros({numel}, at::TensorOptions().dtype(dtype).device(device)));
+    if (stage < 2) st.grad_buffers.push_back(at::zeros({numel}, at::TensorOptions().dtype(grad_dtype(dtype)).device(device)));
+  }
+  auto buffer_index = [&](at::ScalarType t) {
+    for (size_t i = 0; i < layout_.buffers.size(); ++i) {
+      if (layout_.buffers[i].first == t) return static_cast<int64_t>(i);
+    }
+    return int64_t{-1};
+  };
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& place = layout_.buckets[b];
+    auto& bs = st.buckets[b];
+    st.unit_buckets[place.unit].push_back(static_cast<int64_t>(b));
+    const int64_t buf = buffer_index(place.dtype);
+    bs.param_full = stage < 3 ? st.param_buffers[buf].narrow(0, place.begin, place.numel)
+                              : at::zeros({place.numel}, at::TensorOptions().dtype(place.dtype).device(device));
+    for (int64_t i : place.params) {
+      const auto& pp = layout_.params[i];
+      bs.param_full.narrow(0, pp.offset, pp.numel).copy_(params_[i].detach().reshape(-1));
+    }
+    // Start from identical parameters on every DP rank, as DDP does.
+    if (options_.broadcast_parameters() && dp > 1) dp_.broadcast(bs.param_full, 0);
+    for (int64_t i : place.params) {
+      const auto& pp = layout_.params[i];
+      at::Tensor& p = params_[i];
+      {
+        at::NoGradGuard no_grad;
+        p.set_data(bs.param_full.narrow(0, pp.offset, pp.numel).view(p.sizes()));
+      }
+      p.mutable_grad() = at::Tensor();
+    }
+    const auto [begin, len] = owned_range(static_cast<int64_t>(b));
+    bs.param_shard = stage < 3 ? bs.param_full.narrow(0, begin, len) : bs.param_full.narrow(0, begin, len).clone();
+    if (stage < 2) {
+      bs.grad_full = st.grad_buffers[buf].narrow(0, place.begin, place.numel);
+      bs.grad_shard = bs.grad_full.narrow(0, begin, len);
+      for (int64_t i : place.params) {
+        const auto& pp = layout_.params[i];
+        params_[i].mutable_grad() = bs.grad_full.narrow(0, pp.offset, pp.numel).view(params_[i].sizes());
+      }
+    } else {
+      bs.grad_shard = at::zeros({len}, at::TensorOptions().dtype(grad_dtype(place.dtype)).device(device));
+    }
+    bs.master = is_16bit(place.dtype) ? bs.param_shard.to(at::kFloat) : bs.param_shard;
+    bs.exp_avg = at::zeros({len}, at::TensorOptions().dtype(at::kFloat).device(device));
+    if (options_.kind() == OptimizerKind::kAdamW) bs.exp_avg_sq = at::zeros_like(bs.exp_avg);
+  }
+  if (stage == 3) {
+    for (size_t u = 0; u < units_.size(); ++u) release_unit(static_cast<int64_t>(u));
+  }
+}
+
+void DistributedOptimizer::register_hooks() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        params_[i], std::make_unique<GradReadyHook>([this, i] { on_grad_ready(static_cast<int64_t>(i)); }));
+  }
+}
+
+// Stages 2-3: a bucket's full gradients live in a staging buffer from its first
+// gradient of the step until its reduce-scatter has finished.
+void DistributedOptimizer::ensure_grad_staging(int64_t b) {
+  auto& bs = state_->buckets[b];
+  if (bs.grad_full.defined()) return;
+  const auto& place = layout_.buckets[b];
+  bs.grad_full = at::zeros({place.numel}, bs.grad_shard.options());
+}
+
+void DistributedOptimizer::on_grad_ready(int64_t i) {
+  const auto& pp = layout_.params[i];
+  auto& bs = state_->buckets[pp.bucket];
+  at::Tensor& p = params_[i];
+  ensure_grad_staging(pp.bucket);
+  // Autograd accumulates in place into a .grad that is already our view; a fresh .grad
+  // (stages 2-3 after the staging was dropped, or one the user reset) is added in.
+  at::Tensor view = bs.grad_full.narrow(0, pp.offset, pp.numel).view(p.sizes());
+  const at::Tensor g = p.grad();
+  if (g.defined() && g.data_ptr() != view.data_ptr()) {
+    view.add_(g);
+    p.mutable_grad() = view;
+  }
+  if (++bs.ready == static_cast<int64_t>(layout_.buckets[pp.bucket].params.size())) {
+    bs.ready = 0;
+    if (grad_sync_ && options_.overlap_grad_reduce()) start_bucket(pp.bucket);
+  }
+  if (options_.zero_stage() == 3) {
+    // The unit's backward is over once all of its gradients are in: free its parameters.
+    const int64_t u = unit_of_param_[i];
+    if (++state_->unit_ready[u] == static_cast<int64_t>(units_[u].size())) {
+      state_->unit_ready[u] = 0;
+      release_unit(u);
+    }
+  }
+}
+
+void DistributedOptimizer::start_bucket(int64_t b) {
+  auto& bs = state_->buckets[b];
+  if (bs.launched) return;
+  bs.launched = true;
+  if (options_.zero_stage() >= 2) ensure_grad_staging(b);
+  const int64_t dp = dp_.size();
+  if (dp == 1) return;
+  // Gloo has no average: scale by 1/d, then sum (exact for powers of two).
+  bs.grad_full.mul_(1.0 / static_cast<double>(dp));
+  bs.work = options_.zero_stage() == 0 ? dp_.all_reduce_async(bs.grad_full) : dp_.reduce_scatter_async(bs.grad_full);
+}
+
+void DistributedOptimizer::wait_bucket(int64_t b) {
+  auto& bs = state_->buckets[b];
+  at::Tensor result = bs.work.wait();
+  bs.work = comm::Work();
+  const int64_t stage = options_.zero_stage();
+  if (stage >= 1) bs.grad_shard.copy_(dp_.size() == 1 ? bs.grad_full : result);
+  if (stage >= 2) {
+    // Only the shard is kept: drop the staging buffer and the gradient views into it.
+    bs.grad_full = at::Tensor();
+    for (int64_t i : layout_.buckets[b].params) params_[i].mutable_grad() = at::Tensor();
+  }
+}
+
+void DistributedOptimizer::finish_grad_sync() {
+  for (size_t b = 0; b < state_->buckets.size(); ++b) start_bucket(static_cast<int64_t>(b));
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    wait_bucket(static_cast<int64_t>(b));
+    state_->buckets[b].launched = false;
+    state_->buckets[b].ready = 0;
+  }
+}
+
+void DistributedOptimizer::zero_grad() {
+  for (auto& bs : state_->buckets) {
+    bs.grad_shard.zero_();
+    if (options_.zero_stage() < 2) bs.grad_full.zero_();
+    bs.ready = 0;
+  }
+  std::fill(state_->unit_ready.begin(), state_->unit_ready.end(), 0);
+  if (options_.zero_stage() >= 2) {
+    for (auto& bs : state_->buckets) bs.grad_full = at::Tensor();
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+  }
+}
+
+// The groups a step's reductions (overflow, norm) span: model parallel, plus DP once
+// every DP rank holds only a shard of the gradients.
+static std::vector<std::string> reduction_groups(const DistributedOptimizerOptions& o, const comm::Group& dp) {
+  std::vector<std::string> groups = o.model_parallel_groups();
+  if (o.zero_stage() >= 1 && dp.size() > 1) groups.push_back(dp.name());
+  return groups;
+}
+
+bool DistributedOptimizer::found_overflow() {
+  bool local = false;
+  for (const auto& bs : state_->buckets) local |= !at::isfinite(bs.grad_shard).all().item<bool>();
+  at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(params_[0].device()));
+  for (const auto& g : reduction_groups(options_, dp_)) comm::Group(g).all_reduce(flag, comm::ReduceOp::kMax);
+  return flag.item<float>() > 0;
+}
+
+double DistributedOptimizer::global_grad_norm() {
+  // Each parameter counted once: only the owned range of each bucket, only parameters
+  // marked counted_in_norm (not a TP-replicated copy on tp rank > 0, not a tied copy).
+  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(params_[0].device()).dtype(at::kDouble));
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    const auto& bs = state_->buckets[b];
+    const auto [begin, len] = owned_range(static_cast<int64_t>(b));
+    for (int64_t i : layout_.buckets[b].params) {
+      if (!info_[i].counted_in_norm) continue;
+      const auto& pp = layout_.params[i];
+      const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
+      if (n > 0) sum += bs.grad_shard.narrow(0, lo - begin, n).to(at::kDouble).pow(2).sum();
+    }
+  }
+  for (const auto& g : reduction_groups(options_, dp_)) comm::Group(g).all_reduce(sum);
+  return std::sqrt(sum.item<double>());
+}
+
+bool DistributedOptimizer::step() {
+  finish_grad_sync();
+  double grad_scale = 1.0;  // unscale and clip in one multiply
+  skipped_ = false;
+  if (const auto& scaler = options_.loss_scaler()) {
+    const double used = scaler->scale();  // what this step's loss was multiplied by
+    skipped_ = scaler->update(found_overflow());
+    // A skipped step leaves parameters and optimizer state untouched, bit for bit.
+    if (skipped_) return false;
+    grad_scale = 1.0 / used;
+  }
+  grad_norm_ = global_grad_norm() * grad_scale;
+  if (options_.clip_grad() > 0) {
+    const double coef = options_.clip_grad() / (grad_norm_ + 1e-6);
+    if (coef < 1.0) grad_scale *= coef;
+  }
+  ++step_;
+  update_shards(grad_scale);
+  // Stages 1-2: every rank updated its range; put the full parameters back together.
+  if (options_.zero_stage() == 1 || options_.zero_stage() == 2) {
+    std::vector<comm::Work> gathers;
+    for (auto& bs : state_->buckets) gathers.push_back(dp_.all_gather_async(bs.param_shard));
+    for (size_t b = 0; b < gathers.size(); ++b) {
+      at::Tensor full = gathers[b].wait();
+      if (dp_.size() > 1) state_->buckets[b].param_full.copy_(full);
+    }
+  }
+  // Stage 3: a unit still gathered holds the old values; the next use gathers the new.
+  for (int64_t u = 0; u < num_units(); ++u) release_unit(u);
+  return true;
+}
+
+// The optimizer update on this rank's range of every bucket, parameter by parameter
+// (weight decay is per parameter): one multi-tensor call per (weight decay, 16-bit copy).
+void DistributedOptimizer::update_shards(double grad_scale) {
+  struct Lists {
+    std::vector<at::Tensor> master, grad, m, v, model;
+  };
+  std::map<std::pair<bool, bool>, Lists> lists;  // (weight decay, writes a 16-bit model copy)
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    auto& bs = state_->buckets[b];
+    const auto [begin, len] = owned_range(static_cast<int64_t>(b));
+    // Unscaled, clipped fp32 gradients of the owned range (16-bit ones are upcast first).
+    at::Tensor g = bs.grad_shard.scalar_type() == at::kFloat ? bs.grad_shard : bs.grad_shard.to(at::kFloat);
+    if (grad_scale != 1.0) g.mul_(grad_scale);
+    const bool model_copy = is_16bit(layout_.buckets[b].dtype);
+    for (int64_t i : layout_.buckets[b].params) {
+      const auto& pp = layout_.params[i];
+      const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
+      if (n == 0) continue;
+      Lists& l = lists[{info_[i].weight_decay, model_copy}];
+      const int64_t first = lo - begin;
+      l.master.push_back(bs.master.narrow(0, first, n));
+      l.grad.push_back(g.narrow(0, first, n));
+      l.m.push_back(bs.exp_avg.narrow(0, first, n));
+      if (bs.exp_avg_sq.defined()) l.v.push_back(bs.exp_avg_sq.narrow(0, first, n));
+      if (model_copy) l.model.push_back(bs.param_shard.narrow(0, first, n));
+    }
+  }
+  const auto& o = options_;
+  at::NoGradGuard no_grad;
+  for (auto& [key, l] : lists) {
+    const double wd = key.first ? o.weight_decay() : 0.0;
+    if (o.kind() == OptimizerKind::kAdamW) {
+      std::optional<at::TensorList> model;
+      if (key.second) model = at::TensorList(l.model);
+      kernels::fused_adamw_(l.master, l.grad, l.m, l.v, o.lr(), o.beta1(), o.beta2(), o.eps(), wd, step_, model);
+      continue;
+    }
+    // SGD with momentum, as torch.optim.SGD: coupled weight decay, the buffer starts at g.
+    for (size_t j = 0; j < l.master.size(); ++j) {
+      at::Tensor d = wd != 0 ? l.grad[j] + wd * l.master[j] : l.grad[j];
+      if (o.momentum() != 0) {
+        if (step_ == 1) {
+          l.m[j].copy_(d);
+        } else {
+          l.m[j].mul_(o.momentum()).add_(d);
+        }
+        d = l.m[j];
+      }
+      l.master[j].add_(d, -o.lr());
+      if (key.second) l.model[j].copy_(l.master[j]);
+    }
+  }
+}
+
+void DistributedOptimizer::copy_master_to_params() {
+  at::NoGradGuard no_grad;
+  for (auto& bs : state_->buckets) {
+    if (!bs.master.is_same(bs.param_shard)) bs.param_shard.copy_(bs.master);
+  }
+  if (options_.zero_stage() == 1 || options_.zero_stage() == 2) {
+    for (auto& bs : state_->buckets) {
+      at::Tensor full = dp_.all_gather(bs.param_shard);
+      if (dp_.size() > 1) bs.param_full.copy_(full);
+    }
+  }
+}
+
+void DistributedOptimizer::copy_params_to_master() {
+  at::NoGradGuard no_grad;
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    auto& bs = state_->buckets[b];
+    if (options_.zero_stage() == 3) {
+      MEGATORCH_CHECK(bs.gathered, "DistributedOptimizer::copy_params_to_master: expected every unit gathered at ZeRO-3 "
+                      "(gather_unit) so the loaded parameters are readable; unit ", layout_.buckets[b].unit, " is not");
+      const auto [begin, len] = owned_range(static_cast<int64_t>(b));
+      bs.param_shard.copy_(bs.param_full.narrow(0, begin, len));
+    }
+    if (!bs.master.is_same(bs.param_shard)) bs.master.copy_(bs.param_shard);
+  }
+}
+
+std::map<std::string, int64_t> DistributedOptimizer::memory_stats() const {
+  const int64_t stage = options_.zero_stage(), dp = dp_.size();
+  const int64_t states = options_.kind() == OptimizerKind::kAdamW ? 2 : 1;
+  std::map<std::string, int64_t> m{{"param_bytes", 0}, {"grad_bytes", 0}, {"master_param_bytes", 0},
+                                   {"optimizer_state_bytes", 0}, {"padding_bytes", 0}};
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& place = layout_.buckets[b];
+    const auto& bs = state_->buckets[b];
+    const int64_t psize = at::elementSize(place.dtype), gsize = at::elementSize(bs.grad_shard.scalar_type());
+    const auto [begin, len] = owned(place, stage, dp_.rank(), dp);
+    const int64_t owned_used = overlap(0, place.used, begin, len).second, owned_pad = len - owned_used;
+    const int64_t full_pad = place.numel - place.used;
+    // Parameters: all of them (stages 0-2) or the owned range (stage 3).
+    m["param_bytes"] += (stage < 3 ? place.used : owned_used) * psize;
+    m["padding_bytes"] += (stage < 3 ? full_pad : owned_pad) * psize;
+    m["grad_bytes"] += (stage < 2 ? place.used : owned_used) * gsize;
+    m["padding_bytes"] += (stage < 2 ? full_pad : owned_pad) * gsize;
+    if (is_16bit(place.dtype)) {
+      m["master_param_bytes"] += owned_used * 4;
+      m["padding_bytes"] += owned_pad * 4;
+    }
+    m["optimizer_state_bytes"] += owned_used * 4 * states;
+    m["padding_bytes"] += owned_pad * 4 * states;
+  }
+  (void)dp;
+  int64_t total = 0;
+  for (const auto& [k, v] : m) total += v;
+  m["total_bytes"] = total;
+  return m;
+}
+
+std::map<std::string, at::Tensor> DistributedOptimizer::state_dict() const {
+  std::map<std::string, at::Tensor> out;
+  out["step"] = at::tensor(step_, at::kLong);
+  out["zero_stage"] = at::tensor(options_.zero_stage(), at::kLong);
+  out["dp_size"] = at::tensor(dp_.size(), at::kLong);
+  const bool adam = options_.kind() == OptimizerKind::kAdamW;
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    const auto& bs = state_->buckets[b];
+    const std::string key = "bucket." + std::to_string(b) + ".";
+    out[key + "master"] = bs.master.detach().clone();
+    out[key + (adam ? "exp_avg" : "momentum")] = bs.exp_avg.clone();
+    if (adam) out[key + "exp_avg_sq"] = bs.exp_avg_sq.clone();
+  }
+  if (const auto& scaler = options_.loss_scaler()) {
+    for (const auto& [k, v] : scaler->state_dict()) out["loss_scaler." + k] = at::tensor(v, at::kDouble);
+  }
+  return out;
+}
+
+void DistributedOptimizer::load_state_dict(const std::map<std::string, at::Tensor>& state) {
+  auto get = [&](const std::string& key) -> const at::Tensor& {
+    auto it = state.find(key);
+    MEGATORCH_CHECK(it != state.end(), "DistributedOptimizer::load_state_dict: expected key '", key,
+                    "' (a state_dict of the same layout: same parameters, zero stage, DP size and optimizer); it is "
+                    "missing. To change the layout, load through the checkpoint code, which reshards");
+    return it->second;
+  };
+  MEGATORCH_CHECK(get("zero_stage").item<int64_t>() == options_.zero_stage() && get("dp_size").item<int64_t>() == dp_.size(),
+                  "DistributedOptimizer::load_state_dict: expected a state of ZeRO stage ", options_.zero_stage(),
+                  " over ", dp_.size(), " DP ranks, got stage ", get("zero_stage").item<int64_t>(), " over ",
+                  get("dp_size").item<int64_t>(), "; load through the checkpoint code to reshard");
+  const bool adam = options_.kind() == OptimizerKind::kAdamW;
+  // Check every shape before changing anything.
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    const std::string key = "bucket." + std::to_string(b) + ".";
+    for (const char* name : {"master", adam ? "exp_avg" : "momentum"}) {
+      MEGATORCH_CHECK(get(key + name).numel() == state_->buckets[b].exp_avg.numel(),
+                      "DistributedOptimizer::load_state_dict: '", key, name, "' has ", get(key + name).numel(),
+                      " elements, expected ", state_->buckets[b].exp_avg.numel(), " (another model or bucket size?)");
+    }
+  }
+  at::NoGradGuard no_grad;
+  step_ = get("step").item<int64_t>();
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    auto& bs = state_->buckets[b];
+    const std::string key = "bucket." + std::to_string(b) + ".";
+    bs.master.copy_(get(key + "master"));
+    bs.exp_avg.copy_(get(key + (adam ? "exp_avg" : "momentum")));
+    if (adam) bs.exp_avg_sq.copy_(get(key + "exp_avg_sq"));
+  }
+  if (const auto& scaler = options_.loss_scaler()) {
+    std::map<std::string, double> s;
+    for (const auto& [k, v] : state) {
+      if (k.rfind("loss_scaler.", 0) == 0) s[k.substr(12)] = v.item<double>();
+    }
+    scaler->load_state_dict(s);
+  }
+  copy_master_to_params();
+}
+
+std::vector<DistributedOptimizer::ParamStateShard> DistributedOptimizer::param_state_shards() {
+  std::vector<ParamStateShard> out;
+  const bool adam = options_.kind() == OptimizerKind::kAdamW;
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    auto& bs = state_->buckets[b];
+    const auto [begin, len] = owned_range(static_cast<int64_t>(b));
+    for (int64_t i : layout_.buckets[b].params) {
+      const auto& pp = layout_.params[i];
+      const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
+      if (n == 0) continue;
+      ParamStateShard s{i, lo - pp.offset, lo - pp.offset + n, {}};
+      s.tensors["master"] = bs.master.detach().narrow(0, lo - begin, n);
+      s.tensors[adam ? "exp_avg" : "momentum"] = bs.exp_avg.narrow(0, lo - begin, n);
+      if (adam) s.tensors["exp_avg_sq"] = bs.exp_avg_sq.narrow(0, lo - begin, n);
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+// ---- ZeRO-3: units gathered just in time ----
+
+void DistributedOptimizer::prefetch_unit(int64_t u) {
+  if (options_.zero_stage() != 3 || u < 0 || u >= num_units()) return;
+  for (int64_t b : state_->unit_buckets[u]) {
+    auto& bs = state_->buckets[b];
+    if (!bs.gathered && !bs.prefetch) bs.prefetch = dp_.all_gather_async(bs.param_shard);
+  }
+}
+
+void DistributedOptimizer::gather_unit(int64_t u) {
+  if (options_.zero_stage() != 3) return;
+  MEGATORCH_CHECK(u >= 0 && u < num_units(), "DistributedOptimizer::gather_unit: expected a unit in [0, ", num_units(),
+                  "), got ", u);
+  prefetch_unit(u);
+  at::NoGradGuard no_grad;
+  for (int64_t b : state_->unit_buckets[u]) {
+    auto& bs = state_->buckets[b];
+    if (bs.gathered) continue;
+    at::Tensor full = bs.prefetch->wait();
+    bs.prefetch.reset();
+    resize_storage(bs.param_full, bs.param_full.numel() * bs.param_full.element_size());
+    bs.param_full.copy_(dp_.size() > 1 ? full : bs.param_shard);
+    bs.gathered = true;
+  }
+}
+
+void DistributedOptimizer::release_unit(int64_t u) {
+  if (options_.zero_stage() != 3) return;
+  for (int64_t b : state_->unit_buckets[u]) {
+    auto& bs = state_->buckets[b];
+    if (!bs.gathered) continue;
+    resize_storage(bs.param_full, 0);
+    bs.gathered = false;
+  }
+}
+
+}  // namespace megatorch::optim

@@ -1,0 +1,40 @@
+#include "megatorch/optim/model_parameters.h"
+
+#include <algorithm>
+
+namespace megatorch::optim {
+
+ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks) {
+  ModelParameters out;
+  for (const auto& chunk : chunks) {
+    const auto replicated = chunk->sequence_parallel_parameters();
+    const auto& c = chunk->options.config();
+    const bool tied_copy = c.tie_embeddings() && !chunk->options.pre_process() && chunk->output_layer.defined();
+    for (auto& unit : chunk->parameter_units()) {
+      for (const auto& p : unit) {
+        ParamInfo info;
+        const bool is_replicated = std::any_of(replicated.begin(), replicated.end(),
+                                               [&](const at::Tensor& r) { return r.is_same(p); });
+        if ((is_replicated && chunk->tp.rank != 0) || (tied_copy && p.is_same(chunk->output_layer))) {
+          info.counted_in_norm = false;
+        }
+        info.weight_decay = p.dim() > 1;
+        out.info.push_back(info);
+      }
+      out.units.push_back(std::move(unit));
+    }
+  }
+  return out;
+}
+
+void attach_unit_hooks(const std::vector<models::GPTModel>& chunks, DistributedOptimizer& optimizer) {
+  if (optimizer.options().zero_stage() != 3) return;
+  auto hooks = optimizer.unit_hooks();
+  int64_t first = 0;
+  for (models::GPTModel chunk : chunks) {  // a copy of the handle: the module is not const
+    chunk->set_unit_hooks(hooks, first);
+    first += 1 + static_cast<int64_t>(chunk->layers->size());
+  }
+}
+
+}  // namespace megatorch::optim

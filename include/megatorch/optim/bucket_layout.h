@@ -1,0 +1,47 @@
+#pragma once
+// Where every parameter lives in the flat buffers. Parameters are grouped into buckets
+// in backward order (last unit, last parameter first), so buckets fill up, and their
+// collectives can start, while backward is still running. A bucket holds one dtype and
+// is padded to a multiple of the DP size: DP rank r owns the contiguous range
+// [r·n/d, (r+1)·n/d) of every bucket (its ZeRO shard).
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace megatorch::optim {
+
+struct ParamPlace {
+  int64_t bucket = 0;
+  int64_t offset = 0;  // first element inside the bucket
+  int64_t numel = 0;
+};
+
+struct BucketPlace {
+  int64_t unit = 0;      // the unit its parameters belong to (stage 3 gathers a unit at once)
+  at::ScalarType dtype;  // of its parameters
+  int64_t begin = 0;     // first element inside the dtype's flat buffer
+  int64_t numel = 0;     // padded to a multiple of the DP size
+  int64_t used = 0;      // elements that belong to parameters; numel - used is padding
+  std::vector<int64_t> params;  // indices into the flattened parameter list
+  int64_t shard_numel(int64_t dp) const { return numel / dp; }
+};
+
+struct BucketLayout {
+  std::vector<ParamPlace> params;  // one per parameter, in the order given
+  std::vector<BucketPlace> buckets;
+  // Total (padded) elements per dtype buffer, in the order the dtypes first appear.
+  std::vector<std::pair<at::ScalarType, int64_t>> buffers;
+  int64_t buffer_numel(at::ScalarType dtype) const;
+};
+
+// Megatron-LM's default bucket size: max(40M, 1M·dp) elements.
+int64_t default_bucket_size(int64_t dp);
+
+// `units` lists the parameters unit by unit (a transformer layer, the embedding...).
+// With `bucket_per_unit` (ZeRO-3) every unit is exactly one bucket per dtype; otherwise
+// a bucket closes once it holds at least `bucket_size` elements.
+BucketLayout build_bucket_layout(const std::vector<std::vector<at::Tensor>>& units, int64_t bucket_size, int64_t dp,
+                                 bool bucket_per_unit);
+
+}  // namespace megatorch::optim

@@ -1,0 +1,306 @@
+// DistributedOptimizer across ranks: ZeRO 0-3 (and DP x TP) training equals single-rank
+// torch::optim::AdamW on the global batch; bytes held and moved equal the ZeRO formulas
+// exactly; overflow skips leave everything bit-identical; the global gradient norm equals
+// the single-rank one; bad input fails on every rank.
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include "gpt_test_util.h"
+#include "mp_util.h"
+
+using megatorch::comm::CommOp;
+using megatorch::comm::Group;
+using megatorch::models::GPTModel;
+using megatorch::models::GPTModelOptions;
+using megatorch::optim::DistributedOptimizer;
+using megatorch::optim::DistributedOptimizerOptions;
+using megatorch::parallel::GroupKind;
+using megatorch::parallel::ParallelState;
+
+namespace {
+
+constexpr double kLr = 1e-3, kWd = 0.1;
+
+gpt_test::TransformerConfig small_config() { return gpt_test::base_config().hidden_dropout(0.0).attention_dropout(0.0); }
+
+struct Setup {
+  std::unique_ptr<ParallelState> st;
+  GPTModel model{nullptr};
+  std::unique_ptr<DistributedOptimizer> opt;
+};
+
+Setup make(const gpt_test::TransformerConfig& config, int64_t tp, int64_t stage, const std::string& name,
+           DistributedOptimizerOptions o = {}, double weight_decay = kWd) {
+  Setup s;
+  s.st = mp::state(tp, 1, name);
+  s.model = GPTModel(GPTModelOptions(config).group(s.st->group_name(GroupKind::kTensor)));
+  auto mp_params = megatorch::optim::gpt_model_parameters({s.model});
+  o.zero_stage(stage).lr(kLr).weight_decay(weight_decay).model_parallel_groups({s.st->group_name(GroupKind::kTensor)});
+  s.opt = std::make_unique<DistributedOptimizer>(mp_params.units, s.st->group_name(GroupKind::kData), o, mp_params.info);
+  megatorch::optim::attach_unit_hooks({s.model}, *s.opt);
+  return s;
+}
+
+// The global batch of step `step`: [b, s + 1] token ids, the same on every rank.
+torch::Tensor global_batch(const gpt_test::TransformerConfig& c, int64_t b, int64_t step) {
+  return gpt_test::batch_ids(b, c.seq_length(), c.vocab_size(), 1000 + step);
+}
+
+// One step on this DP rank's rows of the global batch, in `micro` micro-batches.
+// Returns the global mean loss.
+double train_step(Setup& s, const torch::Tensor& batch, int64_t micro) {
+  const auto& c = s.model->options.config();
+  const int64_t dp = s.st->dp_size(), rows = batch.size(0) / dp, mb = rows / micro;
+  s.opt->zero_grad();
+  double loss_sum = 0;
+  for (int64_t k = 0; k < micro; ++k) {
+    const auto data = batch.narrow(0, s.st->dp_rank() * rows + k * mb, mb);
+    s.opt->set_grad_sync(k == micro - 1);
+    auto loss = s.model->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length())) / micro;
+    loss.backward();
+    loss_sum += loss.item<double>();
+  }
+  s.opt->step();
+  auto l = torch::tensor({loss_sum / dp}, torch::kDouble);
+  Group(s.st->group_name(GroupKind::kData)).all_reduce(l);
+  return l.item<double>();
+}
+
+// Reference: TP=1 on one process, the whole global batch, torch's AdamW with the same
+// no-decay rule (1-D parameters) as gpt_model_parameters.
+std::pair<GPTModel, std::vector<double>> train_reference(const gpt_test::TransformerConfig& c, int64_t b, int steps) {
+  auto ref = GPTModel(GPTModelOptions(c));
+  std::vector<torch::Tensor> decay, no_decay;
+  for (auto& p : ref->parameters()) (p.dim() > 1 ? decay : no_decay).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups{
+      torch::optim::OptimizerParamGroup(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                                   torch::optim::AdamWOptions(kLr).weight_decay(kWd))),
+      torch::optim::OptimizerParamGroup(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                                      torch::optim::AdamWOptions(kLr).weight_decay(0.0)))};
+  torch::optim::AdamW opt(groups, torch::optim::AdamWOptions(kLr));
+  std::vector<double> losses;
+  for (int step = 0; step < steps; ++step) {
+    const auto data = global_batch(c, b, step);
+    opt.zero_grad();
+    auto loss = ref->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length()));
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return {ref, losses};
+}
+
+void check_params_match(Setup& s, GPTModel& ref, const gpt_test::TransformerConfig& c) {
+  for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->gather_unit(u);
+  auto want = ref->named_parameters();
+  const int64_t tp_rank = s.st->tp_rank(), tp = s.st->tp_size();
+  for (const auto& p : s.model->named_parameters()) {
+    INFO(p.key());
+    const auto expected = gpt_test::expected_shard(p.key(), want[p.key()].detach(), p.value(), tp_rank, tp, c);
+    INFO("max abs diff " << (p.value().detach() - expected).abs().max().item<double>());
+    CHECK(torch::allclose(p.value().detach(), expected, 1e-5, 1e-6));
+  }
+  for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->release_unit(u);
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO 0-3 over all ranks, and DP x TP, train like single-rank AdamW on the global batch", "[mp][optim]") {
+  const int64_t world = mp::world_size();
+  const auto c = small_config();
+  const int steps = 10, b = 2 * world;
+  auto [ref, ref_losses] = train_reference(c, b, steps);
+  std::vector<std::pair<int64_t, int64_t>> layouts;  // (tp, stage)
+  for (int64_t stage = 0; stage <= 3; ++stage) layouts.emplace_back(1, stage);
+  if (world == 4) {
+    layouts.emplace_back(2, 1);
+    layouts.emplace_back(2, 3);
+  }
+  for (const auto& [tp, stage] : layouts) {
+    for (int64_t micro : {1, 2}) {
+      INFO("tp=" << tp << " zero stage " << stage << " micro-batches " << micro);
+      // Small buckets: several per step, padded ones included.
+      auto s = make(c, tp, stage, "optim_parity_" + std::to_string(tp) + "_" + std::to_string(stage) + "_" + std::to_string(micro),
+                    DistributedOptimizerOptions().bucket_size(3000));
+      for (int step = 0; step < steps; ++step) {
+        const double loss = train_step(s, global_batch(c, b, step), micro);
+        INFO("step " << step);
+        CHECK(loss == Approx(ref_losses[step]).epsilon(1e-5));
+      }
+      check_params_match(s, ref, c);
+    }
+  }
+}
+
+TEST_CASE("Bytes held per rank equal the ZeRO table exactly; bytes moved are 2Ψ (stages 0-2) and 3Ψ (stage 3)",
+          "[mp][optim]") {
+  const int64_t d = mp::world_size();
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    INFO("zero stage " << stage << " over " << d << " ranks");
+    // ZeRO's mixed precision: 16-bit parameters and gradients, fp32 master + Adam states.
+    auto s = make(small_config().params_dtype(torch::kBFloat16), 1, stage, "optim_mem_" + std::to_string(stage),
+                  DistributedOptimizerOptions().grad_in_fp32(false));
+    int64_t psi = 0;
+    for (const auto& p : s.model->parameters()) psi += p.numel();
+    if (stage == 3) {
+      psi = 0;
+      for (const auto& u : s.opt->layout().buckets) psi += u.used;
+    }
+    REQUIRE(psi % d == 0);  // every bucket divides evenly: no padding
+    const auto m = s.opt->memory_stats();
+    CHECK(m.at("padding_bytes") == 0);
+    const int64_t shard = psi / d;
+    const std::map<int64_t, std::array<int64_t, 4>> table{// params, grads, master, states
+                                                          {0, {2 * psi, 2 * psi, 4 * psi, 8 * psi}},
+                                                          {1, {2 * psi, 2 * psi, 4 * shard, 8 * shard}},
+                                                          {2, {2 * psi, 2 * shard, 4 * shard, 8 * shard}},
+                                                          {3, {2 * shard, 2 * shard, 4 * shard, 8 * shard}}};
+    const auto& want = table.at(stage);
+    CHECK(m.at("param_bytes") == want[0]);
+    CHECK(m.at("grad_bytes") == want[1]);
+    CHECK(m.at("master_param_bytes") == want[2]);
+    CHECK(m.at("optimizer_state_bytes") == want[3]);
+    // 16Ψ, 4Ψ + 12Ψ/d, 2Ψ + 14Ψ/d, 16Ψ/d.
+    const std::array<int64_t, 4> total{16 * psi, 4 * psi + 12 * shard, 2 * psi + 14 * shard, 16 * shard};
+    CHECK(m.at("total_bytes") == total[stage]);
+
+    // One step's DP traffic, in ring-equivalent elements: an all-reduce of n moves 2n, a
+    // reduce-scatter of n moves n, an all-gather producing n moves n.
+    const auto& c = s.model->options.config();
+    const auto data = global_batch(c, 2 * d, 0).narrow(0, 2 * s.st->dp_rank(), 2);
+    Group dp(s.st->group_name(GroupKind::kData));
+    dp.reset_stats();
+    s.opt->zero_grad();
+    s.model->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length())).backward();
+    s.opt->step();
+    const auto cs = dp.stats();
+    const int64_t elt = 2;  // bf16 gradients and parameters
+    const int64_t moved = 2 * cs[CommOp::kAllReduce].bytes / elt + cs[CommOp::kReduceScatter].bytes / elt +
+                          d * cs[CommOp::kAllGather].bytes / elt;
+    CHECK(moved == (stage == 3 ? 3 * psi : 2 * psi));
+    CHECK(cs[CommOp::kAllReduce].calls == (stage == 0 ? static_cast<int64_t>(s.opt->layout().buckets.size()) : 0));
+  }
+}
+
+TEST_CASE("Megatron's distributed-optimizer bytes per parameter: bf16 with fp32 gradients, and fp32", "[mp][optim]") {
+  const int64_t d = mp::world_size();
+  for (auto dtype : {torch::kBFloat16, torch::kFloat}) {
+    for (int64_t stage : {0, 1}) {
+      auto s = make(small_config().params_dtype(dtype), 1, stage, std::string("optim_megatron_") + (dtype == torch::kFloat ? "fp32_" : "bf16_") + std::to_string(stage));
+      int64_t psi = 0;
+      for (const auto& p : s.model->parameters()) psi += p.numel();
+      const auto m = s.opt->memory_stats();
+      // bf16 params & fp32 grads: 18 -> 6 + 12/d; fp32: 16 -> 8 + 8/d.
+      const int64_t want = dtype == torch::kFloat ? (stage == 0 ? 16 * psi : 8 * psi + 8 * psi / d)
+                                                  : (stage == 0 ? 18 * psi : 6 * psi + 12 * psi / d);
+      INFO("dtype " << dtype << " stage " << stage);
+      CHECK(m.at("total_bytes") - m.at("padding_bytes") == want);
+    }
+  }
+}
+
+TEST_CASE("An overflowing step is skipped on every rank, bit for bit, with Megatron's hysteresis", "[mp][optim]") {
+  const int64_t world = mp::world_size();
+  const auto c = small_config();
+  for (int64_t stage : {0, 2}) {
+    auto scaler = std::make_shared<megatorch::optim::DynamicLossScaler>(
+        megatorch::optim::LossScalerOptions().initial_scale(1024).growth_interval(2).hysteresis(2));
+    auto s = make(c, 1, stage, "optim_scaler_" + std::to_string(stage),
+                  DistributedOptimizerOptions().loss_scaler(scaler).overlap_grad_reduce(false));
+    // inf injected on the last rank only, into a gradient element another rank may own.
+    const std::vector<bool> overflow{false, true, true, true, false, false, false, true};
+    const std::vector<double> scales{1024, 1024, 512, 256, 256, 512, 512, 512};  // after each step
+    for (size_t step = 0; step < overflow.size(); ++step) {
+      INFO("stage " << stage << " step " << step);
+      const auto before = s.opt->state_dict();
+      std::vector<torch::Tensor> params_before;
+      for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->gather_unit(u);
+      for (const auto& p : s.model->parameters()) params_before.push_back(p.detach().clone());
+      for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->release_unit(u);
+      const auto data = global_batch(c, 2 * world, step).narrow(0, 2 * s.st->dp_rank(), 2);
+      s.opt->zero_grad();
+      (s.model->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length())) * scaler->scale()).backward();
+      if (overflow[step] && mp::rank() == world - 1) {
+        auto p = s.model->parameters().front();
+        p.grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+      }
+      const bool applied = s.opt->step();
+      CHECK(applied == !overflow[step]);
+      CHECK(scaler->scale() == scales[step]);
+      if (overflow[step]) {
+        const auto after = s.opt->state_dict();
+        for (const auto& [k, v] : before) CHECK(torch::equal(after.at(k), v));
+        for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->gather_unit(u);
+        size_t i = 0;
+        for (const auto& p : s.model->parameters()) CHECK(torch::equal(p.detach(), params_before[i++]));
+        for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->release_unit(u);
+      }
+    }
+  }
+}
+
+TEST_CASE("The global gradient norm over TP and DP shards equals the single-rank norm; clipping matches", "[mp][optim]") {
+  const int64_t world = mp::world_size();
+  const auto c = small_config();
+  const int64_t b = 2 * world;
+  // Reference: full model, full batch, clip_grad_norm_.
+  auto ref = GPTModel(GPTModelOptions(c));
+  const double max_norm = 0.05;
+  std::vector<double> ref_norms;
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
+  for (int step = 0; step < 3; ++step) {
+    const auto data = global_batch(c, b, step);
+    ref_opt.zero_grad();
+    ref->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length())).backward();
+    ref_norms.push_back(torch::nn::utils::clip_grad_norm_(ref->parameters(), max_norm));
+    ref_opt.step();
+  }
+  std::vector<int64_t> tps{1};
+  if (world == 4) tps.push_back(2);
+  for (int64_t tp : tps) {
+    for (int64_t stage : {0, 2, 3}) {
+      INFO("tp=" << tp << " stage " << stage);
+      auto s = make(c, tp, stage, "optim_clip_" + std::to_string(tp) + "_" + std::to_string(stage),
+                    DistributedOptimizerOptions().clip_grad(max_norm), /*weight_decay=*/0.0);
+      for (int step = 0; step < 3; ++step) {
+        train_step(s, global_batch(c, b, step), 1);
+        CHECK(s.opt->grad_norm() == Approx(ref_norms[step]).epsilon(1e-5));
+      }
+    }
+  }
+}
+
+TEST_CASE("state_dict / load_state_dict resume the same trajectory exactly", "[mp][optim]") {
+  const int64_t world = mp::world_size();
+  const auto c = small_config();
+  for (int64_t stage : {1, 3}) {
+    INFO("stage " << stage);
+    auto s = make(c, 1, stage, "optim_state_" + std::to_string(stage));
+    for (int step = 0; step < 3; ++step) train_step(s, global_batch(c, 2 * world, step), 1);
+    const auto saved = s.opt->state_dict();
+    std::vector<double> first;
+    for (int step = 3; step < 5; ++step) first.push_back(train_step(s, global_batch(c, 2 * world, step), 1));
+    s.opt->load_state_dict(saved);
+    CHECK(s.opt->step_count() == 3);
+    for (int step = 3; step < 5; ++step) CHECK(train_step(s, global_batch(c, 2 * world, step), 1) == first[step - 3]);
+  }
+}
+
+TEST_CASE("Bad optimizer input fails on every rank with a clear message", "[mp][optim]") {
+  const auto c = small_config();
+  auto st = mp::state(1, 1, "optim_errors");
+  const std::string dp = st->group_name(GroupKind::kData);
+  auto model = GPTModel(GPTModelOptions(c));
+  auto units = megatorch::optim::gpt_model_parameters({model}).units;
+  CHECK_THROWS_WITH(DistributedOptimizer(units, dp, DistributedOptimizerOptions().zero_stage(4)),
+                    Catch::Contains("expected zero_stage in 0..3, got 4"));
+  auto half = GPTModel(GPTModelOptions(small_config().params_dtype(torch::kHalf)));
+  CHECK_THROWS_WITH(DistributedOptimizer(megatorch::optim::gpt_model_parameters({half}).units, dp,
+                                         DistributedOptimizerOptions()),
+                    Catch::Contains("fp16 parameters need a loss scaler"));
+  // Rank 0 builds one layer more than the others.
+  auto odd = GPTModel(GPTModelOptions(small_config().num_layers(mp::rank() == 0 ? 3 : 2)));
+  CHECK_THROWS_WITH(DistributedOptimizer(megatorch::optim::gpt_model_parameters({odd}).units, dp,
+                                         DistributedOptimizerOptions().zero_stage(1)),
+                    Catch::Contains("expected the same parameters on every rank"));
+}
