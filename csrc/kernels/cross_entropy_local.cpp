@@ -4,15 +4,39 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
+#include "cpu_vec.h"
 #include "device.h"
 
 namespace megatorch::kernels {
 namespace {
 
+// float, bf16, fp16: vectorised passes over the row in fp32 (max, then Σ exp and Σ x;
+// the row stays in cache between them).
+template <typename T>
+void cpu_kernel_vec(const T* x, const int64_t* target, float* mx, float* se, float* tl, float* sl, int64_t rows,
+                    int64_t cols, int64_t start, int64_t real) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(real);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = detail::load_f32(x + r * cols, real, buf.data());
+      const float m = vec::max(xr, real);
+      mx[r] = m;
+      se[r] = real > 0 ? vec::exp_sum(xr, m, real) : 0.0f;
+      sl[r] = vec::sum(xr, real);
+      const int64_t t = target[r] - start;
+      tl[r] = t >= 0 && t < cols ? static_cast<float>(x[r * cols + t]) : 0.0f;
+    }
+  });
+}
+
 template <typename T, typename A = detail::acc_t<T>>
 void cpu_kernel(const T* x, const int64_t* target, A* mx, A* se, A* tl, A* sl, int64_t rows, int64_t cols,
                 int64_t start, int64_t real) {
+  if constexpr (!std::is_same_v<T, double>) {
+    return cpu_kernel_vec<T>(x, target, mx, se, tl, sl, rows, cols, start, real);
+  }
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;

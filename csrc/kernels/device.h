@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "cpu_vec.h"
 #include "cuda/params.h"
 #include "megatorch/check.h"
 
@@ -48,6 +49,37 @@ using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
     static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(NAME, "").typed<SIG>(); \
     return h;                                                                                   \
   }())
+
+// fp32 views of 16-bit rows for the vectorised loops (cpu_vec.h): a float row is used in
+// place, another dtype is converted into (or out of) the caller's buffer.
+template <typename T>
+const float* load_f32(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    vec::bf16_to_f32(reinterpret_cast<const uint16_t*>(src), buf, n);
+    return buf;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+}
+template <typename T>
+float* out_f32(T* dst, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dst;
+  } else {
+    return buf;
+  }
+}
+template <typename T>
+void store_f32(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    vec::f32_to_bf16(src, reinterpret_cast<uint16_t*>(dst), n);
+  } else if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+}
 
 // Rows x cols view of a tensor normalised over (or applied along) its last dim.
 inline int64_t rows_of(const at::Tensor& t) { return t.dim() == 0 || t.size(-1) == 0 ? 0 : t.numel() / t.size(-1); }

@@ -4,7 +4,9 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <vector>
 
+#include "cpu_vec.h"
 #include "device.h"
 
 namespace megatorch::kernels {
@@ -27,9 +29,31 @@ at::Tensor empty_stats(const at::Tensor& input) {
 }
 
 // Weights arrive in the accumulation type A (converted once per call).
+// float, bf16, fp16: vectorised row loops.
+template <typename T>
+void cpu_forward_vec(const T* x, const float* w, const float* b, T* y, float* mean, float* rstd, int64_t rows,
+                     int64_t cols, double eps, bool rms) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / cols), [&](int64_t r0, int64_t r1) {
+    std::vector<float> bx(cols), by(cols);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = detail::load_f32(x + r * cols, cols, bx.data());
+      // Two passes over the cached row in fp32: the mean, then Σ (x - mean)² (no cancellation).
+      const float m = rms ? 0.0f : vec::sum(xr, cols) / static_cast<float>(cols);
+      const double var = static_cast<double>(vec::sq_dev_sum(xr, m, cols)) / cols;
+      const float rs = static_cast<float>(1.0 / std::sqrt(var + eps));
+      if (mean) mean[r] = m;
+      rstd[r] = rs;
+      float* yr = detail::out_f32(y + r * cols, by.data());
+      vec::normalize(xr, m, rs, w, b, yr, cols);
+      detail::store_f32(yr, y + r * cols, cols);
+    }
+  });
+}
+
 template <typename T, typename A = detail::acc_t<T>>
 void cpu_forward(const T* x, const A* w, const A* b, T* y, A* mean, A* rstd, int64_t rows, int64_t cols, double eps,
                  bool rms) {
+  if constexpr (!std::is_same_v<T, double>) return cpu_forward_vec<T>(x, w, b, y, mean, rstd, rows, cols, eps, rms);
   at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
@@ -96,6 +120,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const char* op, const at:
   const at::Tensor input = input_.contiguous();
   const at::Tensor w = weight.to(acc_dtype(input)).contiguous();
   const at::Tensor b = bias_ ? bias_->to(acc_dtype(input)).contiguous() : at::Tensor();
+  if (!rms && input.is_cpu() && input.scalar_type() != at::kDouble) {
+    const auto stats_shape = input.sizes().slice(0, input.dim() - 1);
+    // ATen's CPU LayerNorm is already one fused, vectorised pass (mixed 16-bit input and
+    // fp32 weight included): use it, keeping fp32 statistics of the shape ours have.
+    // (Before allocating anything: a second live output buffer costs page faults.)
+    const c10::optional<at::Tensor> b_opt = b.defined() ? c10::optional<at::Tensor>(b) : c10::nullopt;
+    auto [y, mu, rs] = at::native_layer_norm(input, {input.size(-1)}, w, b_opt, eps);
+    return {y.contiguous(), mu.reshape(stats_shape).to(at::kFloat), rs.reshape(stats_shape).to(at::kFloat)};
+  }
   at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
   at::Tensor mean = rms ? at::empty({0}, input.options().dtype(acc_dtype(input))) : empty_stats(input);
   at::Tensor rstd = empty_stats(input);

@@ -3,10 +3,12 @@
 #include <ATen/Parallel.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
 #include "device.h"
 
 namespace megatorch::kernels {
@@ -19,8 +21,33 @@ struct Layout {
   bool causal = false;
 };
 
+// float, bf16, fp16: the vectorised row loops in fp32 (a float row is computed in place
+// in the output).
+template <typename T>
+void cpu_forward_vec(const T* x, T* y, const Layout& l, float scale) {
+  const int64_t rows = l.batch * l.heads * l.sq, sk = l.sk;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / sk), [&](int64_t r0, int64_t r1) {
+    std::vector<float> bx(sk), by(sk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t q = r % l.sq, h = (r / l.sq) % l.heads, b = r / (l.sq * l.heads);
+      const bool* mrow = l.mask ? l.mask + b * l.ms[0] + h * l.ms[1] + q * l.ms[2] : nullptr;
+      const int64_t limit = l.causal ? std::min(sk, q + 1) : sk;
+      float* yr = detail::out_f32(y + r * sk, by.data());
+      const float mx =
+          vec::scale_mask_max(detail::load_f32(x + r * sk, sk, bx.data()), scale, mrow, l.ms[3], limit, yr, sk);
+      if (mx == -std::numeric_limits<float>::infinity()) {  // every entry masked
+        std::fill(yr, yr + sk, 0.0f);
+      } else {
+        vec::scale(yr, 1.0f / vec::exp_shift_sum(yr, mx, sk), sk);
+      }
+      detail::store_f32(yr, y + r * sk, sk);
+    }
+  });
+}
+
 template <typename T>
 void cpu_forward(const T* x, T* y, const Layout& l, double scale_) {
+  if constexpr (!std::is_same_v<T, double>) return cpu_forward_vec<T>(x, y, l, static_cast<float>(scale_));
   using A = detail::acc_t<T>;
   const A scale = static_cast<A>(scale_);
   const int64_t rows = l.batch * l.heads * l.sq, sk = l.sk;
@@ -55,6 +82,17 @@ void cpu_forward(const T* x, T* y, const Layout& l, double scale_) {
 
 template <typename T>
 void cpu_backward(const T* g, const T* y, T* dx, int64_t rows, int64_t sk, double scale_) {
+  if constexpr (!std::is_same_v<T, double>) {
+    return at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / sk), [&](int64_t r0, int64_t r1) {
+      std::vector<float> bg(sk), by(sk), bd(sk);
+      for (int64_t r = r0; r < r1; ++r) {
+        float* d = detail::out_f32(dx + r * sk, bd.data());
+        vec::softmax_backward(detail::load_f32(g + r * sk, sk, bg.data()), detail::load_f32(y + r * sk, sk, by.data()),
+                              static_cast<float>(scale_), d, sk);
+        detail::store_f32(d, dx + r * sk, sk);
+      }
+    });
+  }
   using A = detail::acc_t<T>;
   const A scale = static_cast<A>(scale_);
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / sk), [&](int64_t r0, int64_t r1) {

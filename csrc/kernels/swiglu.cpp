@@ -4,7 +4,9 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <vector>
 
+#include "cpu_vec.h"
 #include "device.h"
 
 namespace megatorch::kernels {
@@ -15,8 +17,32 @@ void check(const at::Tensor& input) {
                   "swiglu: expected input [..., 2f] with an even last dim, got ", input.sizes());
 }
 
+// float, bf16, fp16: the vectorised row loops in fp32.
+template <typename T>
+void cpu_vec(const T* g, const T* x, T* out, int64_t rows, int64_t f, bool backward) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> ba(f), bb(f), bg(f), b1(f), b2(f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = detail::load_f32(x + r * 2 * f, f, ba.data());
+      const float* b = detail::load_f32(x + r * 2 * f + f, f, bb.data());
+      if (!backward) {
+        float* y = detail::out_f32(out + r * f, b1.data());
+        vec::swiglu(a, b, y, f);
+        detail::store_f32(y, out + r * f, f);
+      } else {
+        float* da = detail::out_f32(out + r * 2 * f, b1.data());
+        float* db = detail::out_f32(out + r * 2 * f + f, b2.data());
+        vec::swiglu_backward(a, b, detail::load_f32(g + r * f, f, bg.data()), da, db, f);
+        detail::store_f32(da, out + r * 2 * f, f);
+        detail::store_f32(db, out + r * 2 * f + f, f);
+      }
+    }
+  });
+}
+
 template <typename T>
 void cpu_forward(const T* x, T* y, int64_t rows, int64_t f) {
+  if constexpr (!std::is_same_v<T, double>) return cpu_vec<T>(nullptr, x, y, rows, f, false);
   using A = detail::acc_t<T>;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -32,6 +58,7 @@ void cpu_forward(const T* x, T* y, int64_t rows, int64_t f) {
 
 template <typename T>
 void cpu_backward(const T* g, const T* x, T* dx, int64_t rows, int64_t f) {
+  if constexpr (!std::is_same_v<T, double>) return cpu_vec<T>(g, x, dx, rows, f, true);
   using A = detail::acc_t<T>;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {

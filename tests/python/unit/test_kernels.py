@@ -199,3 +199,42 @@ def test_cuda_bias_dropout_add_rate_and_generator():
     assert torch.equal(a, b)
     assert abs((a == 0).float().mean().item() - 0.25) < 0.01
     assert math.isclose(a.max().item(), 1 / 0.75, rel_tol=1e-6)
+
+
+def test_extreme_inputs_match_reference():
+    """The CPU kernels' vectorised exp (cpu_vec.cpp) at the edges: saturation, underflow, -inf."""
+    x = torch.tensor([-200.0, -90.0, -87.5, -30.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 30.0, 87.5, 90.0, 200.0])
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.bias_gelu(x[None], torch.zeros_like(x)), F.gelu(x[None], approximate="tanh"), **tol)
+    torch.testing.assert_close(ops.swiglu(torch.cat([x, torch.ones_like(x)])[None]), F.silu(x)[None], **tol)
+    for scale in [1.0, 0.01]:
+        torch.testing.assert_close(ops.scaled_masked_softmax(x.view(1, 1, 1, -1), None, scale),
+                                   torch.softmax(x * scale, -1).view(1, 1, 1, -1), **tol)
+    mx, se, tl, sl = ops.vocab_parallel_cross_entropy_local(x[None], torch.tensor([3]), 0, x.numel())
+    torch.testing.assert_close(se, (x - x.max()).exp().sum()[None], **tol)
+    grad = torch.randn(1, x.numel())
+    xg = x[None].clone().requires_grad_(True)
+    ops.bias_gelu(xg, torch.zeros_like(x)).backward(grad)
+    xr = x[None].clone().requires_grad_(True)
+    F.gelu(xr, approximate="tanh").backward(grad)
+    torch.testing.assert_close(xg.grad, xr.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4099])
+def test_vector_tails(dtype, n):
+    """Row lengths around and between the vector widths (4, 8, 16 floats)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(3, n, generator=gen).to(dtype)
+    b, w = torch.randn(n, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    tol = TOL[dtype]
+    f = lambda t: t.float()  # noqa: E731
+    torch.testing.assert_close(ops.bias_gelu(x, b), F.gelu(f(x) + f(b), approximate="tanh").to(dtype), **tol)
+    torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5), F.layer_norm(f(x), (n,), f(w), f(b), 1e-5).to(dtype),
+                               **tol)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5),
+                               (f(x) * torch.rsqrt(f(x).pow(2).mean(-1, keepdim=True) + 1e-5) * f(w)).to(dtype), **tol)
+    torch.testing.assert_close(ops.swiglu(torch.cat([x, x.flip(-1)], -1)), (F.silu(f(x)) * f(x).flip(-1)).to(dtype),
+                               **tol)
+    torch.testing.assert_close(ops.scaled_upper_triang_masked_softmax(x.view(1, 3, n)[:, :, :n], 0.5)[0, 2, :3],
+                               ref_causal_softmax(x.view(1, 3, n), 0.5)[0, 2, :3], **tol)
