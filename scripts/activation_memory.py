@@ -55,12 +55,15 @@ class Measurement:
     storages: List[tuple] = field(default_factory=list)  # (bytes, shape, dtype, producer)
 
 
-def layer_config(shape: Shape, setting: str, dropout: float) -> "mt.TransformerConfig":
-    """Korthikanti's GPT layer: LayerNorm, GeLU, biases, MHA; `setting` picks SP and recompute."""
+def layer_config(shape: Shape, setting: str, dropout: float, fused: bool = False) -> "mt.TransformerConfig":
+    """Korthikanti's GPT layer: LayerNorm, GeLU, biases, MHA; `setting` picks SP and recompute.
+    The tables measure the unfused layer (fused_kernels=False: every saved tensor is an ATen
+    op's, as the differences below explain them); the fused layer keeps the same tensors but
+    its hidden-dropout masks, 1-byte bools (fused_hidden_mask_saving)."""
     recompute = "selective" if "selective" in setting else "full" if "full" in setting else "none"
     return mt.TransformerConfig(hidden_size=shape.h, num_attention_heads=shape.a, seq_length=shape.s,
                                 hidden_dropout=dropout, attention_dropout=dropout, recompute=recompute,
-                                sequence_parallel=setting.startswith("tp+sp"), seed=1234)
+                                sequence_parallel=setting.startswith("tp+sp"), seed=1234, fused_kernels=fused)
 
 
 def measure_layer(config, batch: int, group=None, tp_size: int = 1) -> Measurement:
@@ -172,6 +175,15 @@ def megatorch_differences(setting: str, shape: Shape, t: int, act_bytes: int, ma
 def megatorch_bytes(setting, shape, t, act_bytes, mask_bytes, attention) -> float:
     return korthikanti_bytes(setting, shape, t, act_bytes, mask_bytes) + sum(
         megatorch_differences(setting, shape, t, act_bytes, mask_bytes, attention).values())
+
+
+def fused_hidden_mask_saving(setting: str, shape: Shape, t: int, mask_bytes: int, dropout: float) -> int:
+    """Bytes the fused layer keeps less than the unfused one: its bias-dropout-add keeps a
+    1-byte bool keep-mask where at::dropout keeps M-byte scaled noise; two hidden dropouts
+    per layer, in the sequence region (÷ t under SP). Nothing else differs."""
+    if dropout == 0 or "full" in setting:
+        return 0
+    return 2 * (mask_bytes - 1) * shape.sbh // (t if setting.startswith("tp+sp") else 1)
 
 
 def dropout_mask_bytes(device: torch.device) -> int:

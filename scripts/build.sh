@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configure (once) and build into build/ with Ninja, ccache and a precompiled header.
 # Extra arguments go to the configure step, e.g. -DMEGATORCH_BUILD_TESTS=OFF.
+# MEGATORCH_TARGETS="megatorch ..." builds only those targets (default: all).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 PY="$(mt_python)"
 TORCH_PREFIX="$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
@@ -19,4 +20,6 @@ if [[ ! -f "$MT_BUILD/build.ninja" || "$#" -gt 0 || "$(cat "$MT_BUILD/.python" 2
   echo "$PY" > "$MT_BUILD/.python"
 fi
 mt_log "building with $MT_JOBS jobs"
-cmake --build "$MT_BUILD" -j "$MT_JOBS"
+targets=()
+[[ -n "${MEGATORCH_TARGETS:-}" ]] && targets=(--target ${MEGATORCH_TARGETS})
+cmake --build "$MT_BUILD" -j "$MT_JOBS" "${targets[@]}"

@@ -50,6 +50,7 @@ void GPTModelImpl::reset() {
   }
   if (options.post_process()) {
     final_norm = register_module("final_norm", transformer::Norm(transformer::NormOptions(c.hidden_size())
+                                                                     .fused(c.fused_kernels())
                                                                      .kind(c.normalization())
                                                                      .eps(c.norm_epsilon())
                                                                      .bias(c.add_bias_linear())
@@ -128,7 +129,7 @@ void GPTModelImpl::set_unit_hooks(std::shared_ptr<UnitHooks> hooks, int64_t firs
 
 at::Tensor GPTModelImpl::per_token_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index) const {
   return tp::vocab_parallel_cross_entropy(logits, labels.t(), options.group(), 0.0, ignore_index,
-                                          options.config().vocab_size());
+                                          options.config().vocab_size(), options.config().fused_kernels());
 }
 
 at::Tensor GPTModelImpl::loss(const at::Tensor& ids, const at::Tensor& labels, int64_t ignore_index) {

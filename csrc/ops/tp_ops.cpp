@@ -42,17 +42,19 @@ at::Tensor cross_entropy_autograd(const at::Tensor& logits, const at::Tensor& ta
 at::Tensor cross_entropy_forward_only(const at::Tensor& logits, const at::Tensor& target, c10::string_view group,
                                       double label_smoothing, int64_t ignore_index) {
   return std::get<0>(
-      tp::vocab_parallel_cross_entropy_forward(logits, target, std::string(group), label_smoothing, ignore_index, 0));
+      tp::vocab_parallel_cross_entropy_forward(logits, target, std::string(group), label_smoothing, ignore_index, 0,
+                                               /*fused=*/true));
 }
 
 std::tuple<at::Tensor, at::Tensor> ce_fwd(const at::Tensor& logits, const at::Tensor& target, c10::string_view group,
-                                          double label_smoothing, int64_t ignore_index, int64_t vocab_size) {
+                                          double label_smoothing, int64_t ignore_index, int64_t vocab_size,
+                                          bool fused) {
   return tp::vocab_parallel_cross_entropy_forward(logits, target, std::string(group), label_smoothing, ignore_index,
-                                                  vocab_size);
+                                                  vocab_size, fused);
 }
 
 std::tuple<at::Tensor, at::Tensor> ce_fwd_meta(const at::Tensor& logits, const at::Tensor& target, c10::string_view,
-                                               double, int64_t, int64_t) {
+                                               double, int64_t, int64_t, bool) {
   const auto opts = logits.options().dtype(at::kFloat);
   return {at::empty_symint(target.sym_sizes(), opts), at::empty_symint(target.sym_sizes(), opts)};
 }
@@ -78,9 +80,10 @@ TORCH_LIBRARY_FRAGMENT(megatorch, m) {
   m.def("vocab_parallel_embedding(Tensor ids, Tensor weight, str group) -> Tensor");
   m.def("vocab_parallel_cross_entropy(Tensor logits, Tensor target, str group, float label_smoothing=0.0, "
         "int ignore_index=-100) -> Tensor");
-  // Internal halves of the loss (vocab_size <= 0: every column is real).
+  // Internal halves of the loss (vocab_size <= 0: every column is real; fused: the local
+  // part through the fused kernel, vocab_parallel_cross_entropy_local).
   m.def("_vocab_parallel_cross_entropy_fwd(Tensor logits, Tensor target, str group, float label_smoothing, "
-        "int ignore_index, int vocab_size) -> (Tensor, Tensor)");
+        "int ignore_index, int vocab_size, bool fused=True) -> (Tensor, Tensor)");
   m.def("_vocab_parallel_cross_entropy_bwd(Tensor grad, Tensor logits, Tensor target, Tensor log_sum_exp, str group, "
         "float label_smoothing, int ignore_index, int vocab_size) -> Tensor");
 

@@ -4,10 +4,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/kernels/cross_entropy_local.h"
 #include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {
@@ -39,7 +41,7 @@ void all_reduce(at::Tensor& t, const std::string& group, comm::ReduceOp op) {
 }
 
 using FwdOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::string_view, double,
-                                                 int64_t, int64_t);
+                                                 int64_t, int64_t, bool);
 using BwdOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
                          double, int64_t, int64_t);
 
@@ -59,9 +61,10 @@ const c10::TypedOperatorHandle<BwdOp>& bwd_op() {
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
-                            const std::string& group, double smoothing, int64_t ignore_index, int64_t vocab_size) {
+                            const std::string& group, double smoothing, int64_t ignore_index, int64_t vocab_size,
+                            bool fused) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [loss, lse] = fwd_op().call(logits, target, group, smoothing, ignore_index, vocab_size);
+    auto [loss, lse] = fwd_op().call(logits, target, group, smoothing, ignore_index, vocab_size, fused);
     ctx->save_for_backward({logits, target, lse});
     ctx->saved_data["group"] = group;
     ctx->saved_data["smoothing"] = smoothing;
@@ -75,18 +78,59 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     at::Tensor grad = bwd_op().call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["group"].toStringRef(),
                                     ctx->saved_data["smoothing"].toDouble(), ctx->saved_data["ignore_index"].toInt(),
                                     ctx->saved_data["vocab_size"].toInt());
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// The fused local part: one pass over the shard gives each row's local max m, Σ exp(x - m),
+// the raw target logit and Σ x (real columns only); the all-reduces rebase them on the
+// global max M: target - M, Σ x - K·M, and Σ exp(x - m)·exp(m - M) per rank.
+// -> (target_logit - M, sum_logits - K·M or undefined, sum_exp, M)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_local(const at::Tensor& logits,
+                                                                       const at::Tensor& target, const Shard& shard,
+                                                                       const std::string& group, double smoothing) {
+  const int64_t local = logits.size(-1);
+  const int64_t real_cols = std::clamp<int64_t>(shard.real - shard.start, 0, local);
+  auto [local_max, sum_exp, target_logit, sum_logits] =
+      kernels::cross_entropy_local(logits, target, shard.start, real_cols);
+  // fp32 like the unfused path (the kernel gives double for double logits).
+  local_max = local_max.to(at::kFloat), sum_exp = sum_exp.to(at::kFloat);
+  target_logit = target_logit.to(at::kFloat), sum_logits = sum_logits.to(at::kFloat);
+  at::Tensor max = local_max.clone();
+  all_reduce(max, group, comm::ReduceOp::kMax);  // all-reduce 1 of 3
+  if (smoothing > 0) {
+    at::Tensor both = at::stack({target_logit, sum_logits});
+    all_reduce(both, group, comm::ReduceOp::kSum);  // all-reduce 2 of 3 (two values per token)
+    target_logit = both[0] - max;
+    sum_logits = both[1] - max * static_cast<double>(shard.real);
+  } else {
+    all_reduce(target_logit, group, comm::ReduceOp::kSum);  // all-reduce 2 of 3
+    target_logit = target_logit - max;
+    sum_logits = at::Tensor();
+  }
+  // A shard without real columns has m = -inf and Σ = 0: it adds 0.
+  sum_exp = sum_exp * (local_max - max).exp();
+  all_reduce(sum_exp, group, comm::ReduceOp::kSum);  // all-reduce 3 of 3
+  return {target_logit, sum_logits, sum_exp, max};
+}
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_forward(const at::Tensor& logits,
                                                                         const at::Tensor& target,
                                                                         const std::string& group, double smoothing,
-                                                                        int64_t ignore_index, int64_t vocab_size) {
+                                                                        int64_t ignore_index, int64_t vocab_size,
+                                                                        bool fused) {
   const Shard shard = shard_of(logits, group, vocab_size);
   const int64_t local = logits.size(-1);
+  if (fused) {
+    auto [target_logit, sum_logits, sum_exp, max] = fused_local(logits, target, shard, group, smoothing);
+    const at::Tensor log_sum_exp = sum_exp.log();
+    at::Tensor loss = log_sum_exp - target_logit;
+    if (smoothing > 0) loss = (1 - smoothing) * loss + smoothing * (log_sum_exp - sum_logits / shard.real);
+    loss = loss.masked_fill(target == ignore_index, 0);
+    return {loss, log_sum_exp + max};
+  }
   at::Tensor x = logits.to(at::kFloat);
   if (shard.padded.defined()) x = x.masked_fill(shard.padded, -std::numeric_limits<float>::infinity());
   at::Tensor max = std::get<0>(x.max(-1));
@@ -137,14 +181,16 @@ at::Tensor vocab_parallel_cross_entropy_backward(const at::Tensor& grad_loss, co
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target, const std::string& group,
-                                        double label_smoothing, int64_t ignore_index, c10::optional<int64_t> vocab_size) {
+                                        double label_smoothing, int64_t ignore_index, c10::optional<int64_t> vocab_size,
+                                        bool fused) {
   MEGATORCH_CHECK(logits.dim() >= 1 && target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
                   "vocab_parallel_cross_entropy: expected target of shape logits.shape[:-1] = ",
                   logits.sizes().slice(0, logits.dim() - 1), ", got ", target.sizes());
   MEGATORCH_CHECK(label_smoothing >= 0 && label_smoothing < 1, "expected label_smoothing in [0, 1), got ",
                   label_smoothing);
   MEGATORCH_CHECK(!vocab_size || *vocab_size >= 1, "expected vocab_size >= 1, got ", vocab_size.value_or(0));
-  return CrossEntropyFunction::apply(logits, target, group, label_smoothing, ignore_index, vocab_size.value_or(0));
+  return CrossEntropyFunction::apply(logits, target, group, label_smoothing, ignore_index, vocab_size.value_or(0),
+                                     fused);
 }
 
 }  // namespace megatorch::tp

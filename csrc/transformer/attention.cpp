@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "megatorch/check.h"
+#include "megatorch/kernels/rotary.h"
 #include "megatorch/transformer/recompute.h"
 
 namespace megatorch::transformer {
@@ -72,7 +73,7 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
   return out.permute({2, 0, 1, 3}).reshape({s, b, local_heads * c.head_dim()});
 }
 
-at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
+at::Tensor ParallelAttentionImpl::context(const at::Tensor& x, const at::Tensor& rope_freqs) {
   const auto& c = options.config();
   const int64_t d = c.head_dim(), per_group = local_heads / local_groups;
   const at::Tensor mixed = qkv->forward(x);  // [s, b, groups*(per_group+2)*d]
@@ -82,20 +83,28 @@ at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor&
   at::Tensor k = grouped.select(3, per_group);
   at::Tensor v = grouped.select(3, per_group + 1);
   if (rope_freqs.defined()) {
-    q = apply_rope(q, rope_freqs);
-    k = apply_rope(k, rope_freqs);
+    auto rope = c.fused_kernels() ? kernels::rotary_embedding : apply_rope;
+    q = rope(q, rope_freqs);
+    k = rope(k, rope_freqs);
   }
-  at::Tensor context;
   if (c.recompute() == Recompute::kSelective && is_training()) {
     // Selective recomputation: keep q, k, v; replay softmax, dropout and the products.
-    context = checkpoint([this](const torch::autograd::variable_list& in) {
-                return torch::autograd::variable_list{core_attention(in[0], in[1], in[2])};
-              },
-              {q, k, v}, options.rng().get())[0];
-  } else {
-    context = core_attention(q, k, v);
+    return checkpoint([this](const torch::autograd::variable_list& in) {
+             return torch::autograd::variable_list{core_attention(in[0], in[1], in[2])};
+           },
+           {q, k, v}, options.rng().get())[0];
   }
-  return proj->forward(context);
+  return core_attention(q, k, v);
+}
+
+at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
+  return proj->forward(context(x, rope_freqs));
+}
+
+at::Tensor ParallelAttentionImpl::forward_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs) {
+  const auto& o = proj->options;
+  return tp::row_parallel_linear(context(x, rope_freqs), proj->weight, c10::nullopt, o.group(), o.input_is_parallel(),
+                                 o.sequence_parallel());
 }
 
 }  // namespace megatorch::transformer

@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include "megatorch/kernels/bias_gelu.h"
+#include "megatorch/kernels/swiglu.h"
+
 namespace megatorch::transformer {
 
 at::Tensor swiglu(const at::Tensor& x) {
@@ -14,11 +17,14 @@ ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_) : options(std::mov
 void ParallelMLPImpl::reset() {
   const auto& c = options.config();
   const bool glu = c.activation() == Activation::kSwiGLU;
+  // Fused GeLU takes fc1's bias into its kernel; SwiGLU's bias stays in the linear.
+  const bool fused_bias = c.fused_kernels() && !glu && c.add_bias_linear();
   // SwiGLU's fused [gate; up] weight is sharded block by block (parts = 2), so each
   // rank's shard is [its gate rows; its up rows] and the local chunk(2) pairs them.
   fc1 = register_module("fc1", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden_size(),
                                                                                          c.ffn() * (glu ? 2 : 1))
                                                             .bias(c.add_bias_linear())
+                                                            .skip_bias_add(fused_bias)
                                                             .sequence_parallel(c.sequence_parallel())
                                                             .parts(glu ? 2 : 1)
                                                             .group(options.group())
@@ -31,10 +37,20 @@ void ParallelMLPImpl::reset() {
                                                          .init(param_init(c, options.name() + ".fc2"))));
 }
 
-at::Tensor ParallelMLPImpl::forward(const at::Tensor& x) {
+at::Tensor ParallelMLPImpl::activation(const at::Tensor& x) {
+  const auto& c = options.config();
   const at::Tensor h = fc1->forward(x);
-  const bool glu = options.config().activation() == Activation::kSwiGLU;
-  return fc2->forward(glu ? swiglu(h) : at::gelu(h, "tanh"));
+  if (c.activation() == Activation::kSwiGLU) return c.fused_kernels() ? kernels::swiglu(h) : swiglu(h);
+  if (fc1->options.skip_bias_add()) return kernels::bias_gelu(h, fc1->bias);
+  return at::gelu(h, "tanh");  // no bias to fuse: ATen's GeLU is one kernel already
+}
+
+at::Tensor ParallelMLPImpl::forward(const at::Tensor& x) { return fc2->forward(activation(x)); }
+
+at::Tensor ParallelMLPImpl::forward_without_bias(const at::Tensor& x) {
+  const auto& o = fc2->options;
+  return tp::row_parallel_linear(activation(x), fc2->weight, c10::nullopt, o.group(), o.input_is_parallel(),
+                                 o.sequence_parallel());
 }
 
 }  // namespace megatorch::transformer

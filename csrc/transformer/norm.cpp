@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "megatorch/kernels/norms.h"
+
 namespace megatorch::transformer {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -29,11 +31,17 @@ void NormImpl::reset_parameters() {
 
 void NormImpl::pretty_print(std::ostream& stream) const {
   stream << "megatorch::transformer::" << to_string(options.kind()) << "(" << options.hidden()
-         << ", eps=" << options.eps() << ")";
+         << ", eps=" << options.eps() << (options.fused() ? ", fused" : "") << ")";
 }
 
 at::Tensor NormImpl::forward(const at::Tensor& x) {
-  if (options.kind() == Normalization::kRMSNorm) return rms_norm(x, weight, options.eps());
+  const bool rms = options.kind() == Normalization::kRMSNorm;
+  if (options.fused()) {
+    return rms ? kernels::rms_norm(x, weight, options.eps())
+               : kernels::layer_norm(x, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                                     options.eps());
+  }
+  if (rms) return rms_norm(x, weight, options.eps());
   // at::layer_norm accumulates in fp32 for reduced-precision inputs on CPU and CUDA.
   return at::layer_norm(x, {options.hidden()}, weight, bias, options.eps());
 }

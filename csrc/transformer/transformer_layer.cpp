@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "megatorch/kernels/bias_dropout_add.h"
 #include "megatorch/transformer/recompute.h"
 
 namespace megatorch::transformer {
@@ -22,6 +23,7 @@ void TransformerLayerImpl::reset() {
   const std::string name = "layers." + std::to_string(options.layer_number());
   auto norm = [&c] {
     return Norm(NormOptions(c.hidden_size())
+                    .fused(c.fused_kernels())
                     .kind(c.normalization())
                     .eps(c.norm_epsilon())
                     .bias(c.add_bias_linear())
@@ -37,13 +39,24 @@ void TransformerLayerImpl::reset() {
   mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(c).group(options.group()).name(name + ".mlp")));
 }
 
-at::Tensor TransformerLayerImpl::dropout_add(const at::Tensor& x, const at::Tensor& residual) {
-  return residual + hidden_dropout(x, options.config(), is_training(), options.rng().get());
+at::Tensor TransformerLayerImpl::dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual) {
+  const auto& c = options.config();
+  if (!c.fused_kernels()) {
+    return residual + hidden_dropout(bias.defined() ? x + bias : x, c, is_training(), options.rng().get());
+  }
+  // One pass, the same draws as hidden_dropout (the default generator, forked as there).
+  const bool drop = is_training() && c.hidden_dropout() > 0;
+  c10::optional<tp::RngTracker::Fork> fork;
+  if (drop && c.sequence_parallel() && options.rng()) fork.emplace(*options.rng(), tp::kModelParallelRng);
+  return kernels::bias_dropout_add(x, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, residual,
+                                   c.hidden_dropout(), drop);
 }
 
 at::Tensor TransformerLayerImpl::layer(const at::Tensor& x, const at::Tensor& rope_freqs) {
-  const at::Tensor h = dropout_add(attention->forward(input_norm->forward(x), rope_freqs), x);
-  return dropout_add(mlp->forward(post_attention_norm->forward(h)), h);
+  // The row-parallel biases are left to dropout_add (forward = forward_without_bias + bias).
+  const at::Tensor a = attention->forward_without_bias(input_norm->forward(x), rope_freqs);
+  const at::Tensor h = dropout_add(a, attention->proj->bias, x);
+  return dropout_add(mlp->forward_without_bias(post_attention_norm->forward(h)), mlp->fc2->bias, h);
 }
 
 at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {

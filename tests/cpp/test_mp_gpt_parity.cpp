@@ -102,3 +102,38 @@ TEST_CASE("GPT communication per forward is exactly Megatron's", "[mp][gpt]") {
     CHECK(g.stats().total().calls == 3);
   }
 }
+
+TEST_CASE("vocab-parallel loss: fused local part equals the unfused one at TP=n, three all-reduces each",
+          "[mp][kernels]") {
+  const int64_t t = mp::world_size();
+  auto st = mp::state(t, 1, "ce_fused");
+  Group g(*st, GroupKind::kTensor);
+  // 8 columns per rank; the real vocabulary ends inside rank t-2's shard at t = 4, so the
+  // last rank's shard is all padding (local max -inf, no sum of exps).
+  const int64_t local = 8, vocab = t == 4 ? 20 : 13, b = 3, s = 5;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  const auto full = at::randn({s, b, local * t}, gen) * 3;
+  auto target = at::randint(vocab, {s, b}, gen, at::TensorOptions().dtype(at::kLong));
+  target[2][1] = -100;
+  const auto shard = full.narrow(-1, g.rank() * local, local);
+  for (double smoothing : {0.0, 0.1}) {
+    std::vector<torch::Tensor> loss, grad;
+    for (bool fused : {true, false}) {
+      INFO("smoothing " << smoothing << (fused ? " fused" : " unfused"));
+      const auto x = shard.clone().requires_grad_(true);
+      g.reset_stats();
+      auto l = megatorch::tp::vocab_parallel_cross_entropy(x, target, g.name(), smoothing, -100, vocab, fused);
+      CHECK(g.stats()[CommOp::kAllReduce].calls == 3);
+      CHECK(g.stats()[CommOp::kAllReduce].bytes == (smoothing > 0 ? 4 : 3) * b * s * 4);
+      CHECK(g.stats().total().calls == 3);
+      l.sum().backward();
+      loss.push_back(l.detach());
+      grad.push_back(x.grad());
+    }
+    // The unfused loss of the whole (unsharded) vocabulary is the reference of both.
+    const auto ref = megatorch::tp::vocab_parallel_cross_entropy(full, target, "", smoothing, -100, vocab, false);
+    check_close(loss[0], ref, "fused loss");
+    check_close(loss[1], ref, "unfused loss");
+    check_close(grad[0], grad[1], "grad");
+  }
+}

@@ -97,7 +97,7 @@ const std::vector<Field>& fields() {
       MT_FIELD(hidden_dropout), MT_FIELD(add_bias_linear), MT_FIELD(tie_embeddings),
       MT_FIELD(sequence_parallel), MT_FIELD(recompute), MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
-      MT_FIELD(shard_local_init),
+      MT_FIELD(shard_local_init), MT_FIELD(fused_kernels),
   };
   return all;
 }

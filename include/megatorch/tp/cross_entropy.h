@@ -19,16 +19,19 @@ namespace megatorch::tp {
 // `vocab_size`, when given, is the real vocabulary: columns at or past it (Megatron's
 // padding) are left out of the softmax, so every TP size gives the same loss.
 // Differentiable; runs through the dispatcher (torch.compile and TorchScript see ops).
+// `fused`: the local part (row max, Σ exp, target logit, Σ logits) in one pass over the
+// shard (kernels::cross_entropy_local); off: ATen ops. Three all-reduces either way.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target, const std::string& group,
                                         double label_smoothing = 0.0, int64_t ignore_index = -100,
-                                        c10::optional<int64_t> vocab_size = c10::nullopt);
+                                        c10::optional<int64_t> vocab_size = c10::nullopt, bool fused = true);
 
 // The two halves, outside autograd (the kernels of the internal operators).
 // vocab_size <= 0 means every column is real. Returns (loss, log_sum_exp), both fp32.
 std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_forward(const at::Tensor& logits,
                                                                         const at::Tensor& target,
                                                                         const std::string& group, double label_smoothing,
-                                                                        int64_t ignore_index, int64_t vocab_size);
+                                                                        int64_t ignore_index, int64_t vocab_size,
+                                                                        bool fused = true);
 at::Tensor vocab_parallel_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
                                                  const at::Tensor& target, const at::Tensor& log_sum_exp,
                                                  const std::string& group, double label_smoothing,

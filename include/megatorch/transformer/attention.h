@@ -2,7 +2,8 @@
 // ParallelAttention: QKV column-parallel, split by heads (each TP rank holds
 // heads/tp query heads and groups/tp key/value heads, MHA or GQA), causal
 // scaled-dot-product attention through at::scaled_dot_product_attention (flash
-// attention on GPUs), RoPE optional, output projection row-parallel.
+// attention on GPUs), RoPE optional (kernels::rotary_embedding with
+// config.fused_kernels), output projection row-parallel.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -18,7 +19,8 @@ namespace megatorch::transformer {
 
 // RoPE tables for positions [0, s): [s, 1, 1, d] angles (rotate-half convention).
 at::Tensor rope_frequencies(int64_t seq_length, int64_t head_dim, double base, c10::Device device);
-// x [s, b, heads, d] rotated by freqs [s, 1, 1, r], r <= d (the first r channels).
+// x [s, b, heads, d] rotated by freqs [s, 1, 1, r], r <= d (the first r channels);
+// unfused, the reference of kernels::rotary_embedding.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs);
 
 struct ParallelAttentionOptions {
@@ -35,6 +37,9 @@ class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl>
   void reset() override;
   // x [s, b, h] ([s/tp, b, h] with sequence parallelism) -> same shape.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_freqs = {});
+  // forward without proj's bias, which the caller adds (TransformerLayer fuses it into
+  // bias-dropout-add): forward(x) = forward_without_bias(x) + proj->bias.
+  at::Tensor forward_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs = {});
   // softmax(QK^T/sqrt(d)) V for q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d];
   // the part selective recomputation replays.
   at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
@@ -43,6 +48,9 @@ class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl>
   tp::ColumnParallelLinear qkv{nullptr};
   tp::RowParallelLinear proj{nullptr};
   int64_t local_heads = 0, local_groups = 0;
+
+ private:
+  at::Tensor context(const at::Tensor& x, const at::Tensor& rope_freqs);  // the input of proj
 };
 TORCH_MODULE(ParallelAttention);
 

@@ -48,6 +48,10 @@ struct TransformerConfig {
   TORCH_ARG(int64_t, seed) = 1234;
   // Draw each shard on its own (no full tensor) instead of slicing the full weight.
   TORCH_ARG(bool, shard_local_init) = false;
+  // megatorch's fused kernels (megatorch::kernels) for the norms, bias-GeLU, SwiGLU,
+  // bias-dropout-add, RoPE and the loss's local part; off: the unfused ATen chains.
+  // Same numbers either way (fp32: to summation order; the dropout masks are equal).
+  TORCH_ARG(bool, fused_kernels) = true;
 
   // TORCH_ARG leaves the struct in `private:`.
  public:

@@ -11,6 +11,7 @@
 
 namespace megatorch::transformer {
 
+// The unfused RMSNorm (ATen ops, fp32 statistics): the reference of kernels::rms_norm.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 struct NormOptions {
@@ -21,6 +22,8 @@ struct NormOptions {
   TORCH_ARG(bool, bias) = true;  // LayerNorm's beta (RMSNorm has none)
   TORCH_ARG(c10::ScalarType, dtype) = c10::kFloat;
   TORCH_ARG(c10::Device, device) = c10::kCPU;
+  // kernels::layer_norm / rms_norm (one pass per row); off: at::layer_norm / rms_norm above.
+  TORCH_ARG(bool, fused) = true;
 };
 
 class NormImpl : public torch::nn::Cloneable<NormImpl> {

@@ -37,7 +37,8 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
 
  private:
   at::Tensor layer(const at::Tensor& x, const at::Tensor& rope_freqs);
-  at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& residual);
+  // residual + dropout(x + bias) (bias may be undefined); one kernel with fused_kernels.
+  at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual);
 };
 TORCH_MODULE(TransformerLayer);
 

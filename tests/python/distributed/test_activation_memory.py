@@ -25,8 +25,8 @@ def world():
     return dist.get_world_size(), dist.group.WORLD
 
 
-def measure(setting, t, group, dropout=0.1):
-    return am.measure_layer(am.layer_config(SHAPE, setting, dropout), SHAPE.b, group if t > 1 else None, t)
+def measure(setting, t, group, dropout=0.1, fused=False):
+    return am.measure_layer(am.layer_config(SHAPE, setting, dropout, fused), SHAPE.b, group if t > 1 else None, t)
 
 
 def test_dropout_keeps_a_4_byte_mask_on_cpu():
@@ -88,3 +88,21 @@ def test_every_setting_equals_the_paper_plus_the_explained_differences(dropout):
             m = measure(setting, tp, group, dropout)
             want = am.megatorch_bytes(setting, SHAPE, tp, 4, 4, "math" if dropout > 0 else "flash")
             assert m.bytes == want, (setting, tp, m.storages)
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_fused_layer_keeps_the_same_tensors_but_1_byte_hidden_masks(dropout):
+    """fused_kernels=True (the default): norms, bias-GeLU and bias-dropout-add are megatorch's
+    kernels. They save what the ATen chain saves (the LayerNorm input and fp32 statistics,
+    the GeLU input, the fc2 input), except that bias-dropout-add keeps a bool keep-mask
+    (1 byte, the paper's M) instead of at::dropout's fp32 noise: 2·(4 − 1)·u less (÷ t under SP)."""
+    t, group = world()
+    for tp in [1, t]:
+        for setting in am.SETTINGS:
+            if tp == 1 and setting.startswith("tp+sp"):
+                continue
+            plain, fused = measure(setting, tp, group, dropout), measure(setting, tp, group, dropout, fused=True)
+            saving = am.fused_hidden_mask_saving(setting, SHAPE, tp, 4, dropout)
+            assert plain.bytes - fused.bytes == saving, (setting, tp, fused.storages)
+            bools = [st for st in fused.storages if st[2] == "bool"]
+            assert len(bools) == (2 if saving else 0), (setting, tp, fused.storages)

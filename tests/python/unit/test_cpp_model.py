@@ -216,7 +216,8 @@ def test_config_fields_are_keywords_and_attributes():
     assert c.query_groups == 3
     assert set(c.to_dict()) >= {"hidden_size", "num_query_groups", "ffn_hidden_size", "norm_epsilon", "init_std",
                                 "seed", "shard_local_init", "tie_embeddings", "make_vocab_size_divisible_by"}
-    assert len(c.to_dict()) == 25  # every TORCH_ARG of TransformerConfig
+    assert len(c.to_dict()) == 26  # every TORCH_ARG of TransformerConfig
+    assert c.fused_kernels is True and mt.TransformerConfig(fused_kernels=False).fused_kernels is False
     again = mt.TransformerConfig(**c.to_dict())
     assert again.to_dict() == c.to_dict() and pickle.loads(pickle.dumps(c)).to_dict() == c.to_dict()
     assert "num_query_groups=3" in repr(c)
@@ -232,6 +233,25 @@ def test_config_fields_are_keywords_and_attributes():
         mt.GPTModel(base_config(num_attention_heads=3))
     with pytest.raises(RuntimeError, match="registered under the name 'no-such-group'"):
         mt.GPTModel(base_config(), group="no-such-group")
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_fused_kernels_on_and_off_give_the_same_loss_and_grads(name):
+    """config.fused_kernels from Python: the fused layer (norms, bias-GeLU/SwiGLU, RoPE,
+    bias-dropout-add, the loss's local part) against the ATen one, dropout included."""
+    ids, labels = batch(3, 8, 200, 21)
+    results = []
+    for fused in [True, False]:
+        model = mt.GPTModel(base_config(fused_kernels=fused, hidden_dropout=0.1, **VARIANTS[name]))
+        model.train()
+        torch.manual_seed(3)
+        loss = model.loss(ids, labels)
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters().items()}))
+    (loss_f, grads_f), (loss_u, grads_u) = results
+    torch.testing.assert_close(loss_f, loss_u, rtol=1e-5, atol=0)
+    for k, g in grads_u.items():
+        torch.testing.assert_close(grads_f[k], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 def test_a_missing_extension_is_a_clear_error(tmp_path):

@@ -1,0 +1,125 @@
+#pragma once
+// Plain parameter structs of the CUDA kernels and their launchers: pointers, sizes,
+// strides and scalars only, no torch types, so the .cu files compile with the CUDA
+// headers alone. The torch-facing code (csrc/kernels/*.cpp) checks the tensors,
+// fills a struct and calls the launcher on the current stream (`stream` is a
+// cudaStream_t). Every tensor is contiguous unless a stride says otherwise.
+#include <cstdint>
+
+namespace megatorch::kernels::cuda {
+
+enum class DType : int { kFloat, kHalf, kBFloat16 };
+
+// ---- element-wise ----
+struct BiasGeluParams {
+  const void* input;  // [rows, cols]
+  const void* bias;   // [cols]
+  const void* grad;   // backward only: [rows, cols]
+  void* out;          // forward: output; backward: grad of input
+  int64_t rows, cols;
+  DType dtype;
+};
+void bias_gelu_forward(const BiasGeluParams& p, void* stream);
+void bias_gelu_backward(const BiasGeluParams& p, void* stream);
+
+struct BiasDropoutAddParams {
+  const void* input;     // [rows, cols]
+  const void* bias;      // [cols] or null
+  const void* residual;  // [rows, cols]
+  void* out;             // [rows, cols]
+  bool* mask;            // [rows, cols] kept elements, or null when not training
+  int64_t rows, cols;
+  float keep_prob;  // 1 - p
+  uint64_t seed, offset;  // Philox state taken from the current CUDA generator
+  DType dtype;
+};
+void bias_dropout_add_forward(const BiasDropoutAddParams& p, void* stream);
+
+struct SwigluParams {
+  const void* input;  // [rows, 2f]
+  const void* grad;   // backward only: [rows, f]
+  void* out;          // forward: [rows, f]; backward: grad of input [rows, 2f]
+  int64_t rows, f;
+  DType dtype;
+};
+void swiglu_forward(const SwigluParams& p, void* stream);
+void swiglu_backward(const SwigluParams& p, void* stream);
+
+struct RotaryParams {
+  const void* input;  // [s, b·heads, d] (or the incoming gradient in backward)
+  const float* cos;   // [s, r] fp32
+  const float* sin;   // [s, r] fp32
+  void* out;           // [s, b·heads, d]
+  int64_t s, bh, d, r;
+  bool backward;  // apply the transposed rotation
+  DType dtype;
+};
+void rotary(const RotaryParams& p, void* stream);
+
+// ---- row-wise ----
+struct NormParams {
+  const void* input;   // [rows, cols]
+  const float* weight;  // [cols], fp32 whatever the input dtype
+  const float* bias;    // [cols] or null (LayerNorm only)
+  const void* grad;    // backward only: [rows, cols]
+  void* out;           // forward: output; backward: grad of input
+  float* mean;         // [rows] (LayerNorm only)
+  float* rstd;         // [rows]
+  float* grad_weight_partial;  // backward: [blocks, cols] partial sums, reduced by the caller
+  float* grad_bias_partial;    // backward: [blocks, cols] or null
+  int64_t rows, cols, partial_blocks;
+  float eps;
+  bool rms;
+  DType dtype;
+};
+void norm_forward(const NormParams& p, void* stream);
+void norm_backward(const NormParams& p, void* stream);
+
+struct SoftmaxParams {
+  const void* input;  // [batch, heads, sq, sk] (causal: [batch·heads, sq, sk], heads = 1)
+  const bool* mask;   // null, or indexed with the strides below (0 where broadcast)
+  int64_t mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
+  const void* grad;  // backward only
+  void* out;
+  int64_t batch, heads, sq, sk;
+  float scale;
+  bool causal;
+  DType dtype;
+};
+void softmax_forward(const SoftmaxParams& p, void* stream);
+void softmax_backward(const SoftmaxParams& p, void* stream);  // input = the forward's output
+
+struct CrossEntropyLocalParams {
+  const void* logits;     // [rows, cols]
+  const int64_t* target;  // [rows], global ids
+  float* max;             // [rows] local max over the real columns
+  float* sum_exp;         // [rows] Σ exp(x - local max) over the real columns
+  float* target_logit;    // [rows] raw target logit, 0 when the target is in another shard
+  float* sum_logits;      // [rows] Σ x over the real columns
+  int64_t rows, cols, vocab_start, real_cols;
+  DType dtype;
+};
+void cross_entropy_local(const CrossEntropyLocalParams& p, void* stream);
+
+// ---- multi-tensor AdamW ----
+constexpr int kAdamWMaxTensors = 24;  // per launch; keeps the argument block < 4 KiB
+struct AdamWParams {
+  float* param[kAdamWMaxTensors];
+  const void* grad[kAdamWMaxTensors];
+  float* exp_avg[kAdamWMaxTensors];
+  float* exp_avg_sq[kAdamWMaxTensors];
+  void* model[kAdamWMaxTensors];  // null entries when there is no model copy
+  int64_t numel[kAdamWMaxTensors];
+  int count;
+  int64_t max_numel;
+  DType grad_dtype;
+  DType model_dtype;
+  bool has_model;
+  float decay;  // 1 - lr·weight_decay
+  float beta1, beta2, eps;
+  float step_size;             // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+};
+void fused_adamw(const AdamWParams& p, void* stream);
+
+}  // namespace megatorch::kernels::cuda

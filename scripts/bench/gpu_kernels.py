@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""GPU benchmark of megatorch's fused kernels (issue 6): for each memory-bound kernel at
+large sizes, the achieved GB/s next to a device-to-device copy measured in the same run,
+and the speedup over the eager PyTorch chain it replaces and over torch.compile of that
+chain. Forward kernels; bf16 activations (AdamW: fp32 master weights and states, bf16
+grads and model copy).
+
+    MEGATORCH_LIBRARY=build-gpu/lib/libmegatorch.so PYTHONPATH=torch_ext \\
+        python3 scripts/bench/gpu_kernels.py --out results/kernels.json
+
+Timing: CUDA events around each call, median of --iters calls after warm-up, inputs far
+larger than the L2 cache. GB/s counts the bytes the fused kernel must move at least
+(inputs read once, outputs written once); the copy counts its read and its write.
+Without a GPU it says so, writes {"gpu": false, ...} and exits 0 (scripts/gpu_check.sh
+runs it either way). `--device cpu --small` runs the same harness on the CPU at toy sizes
+to check the script itself (those numbers mean nothing).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_cases import make_cases, max_abs_diff  # noqa: E402
+
+
+def timer(device):
+    """Median milliseconds of fn over `iters` calls, after `warmup` calls."""
+    def run(fn, iters, warmup=3):
+        for _ in range(warmup):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return statistics.median(times)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return run
+
+
+def copy_bandwidth(device, nbytes, bench, iters):
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), iters)
+    return 2 * src.numel() * 4 / ms / 1e6, ms  # read + write, GB/s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON file, or a folder for kernels.json")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--small", action="store_true", help="toy sizes (checking the script, not the kernels)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--budget-s", type=float, default=200, help="skip torch.compile once this much time has passed")
+    ap.add_argument("--only", nargs="*", help="case names")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if out.suffix != ".json":
+        out.mkdir(parents=True, exist_ok=True)
+        out = out / "kernels.json"
+    started = time.time()
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device}
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        reason = (f"no CUDA device visible to torch {torch.__version__} (cuda build: {torch.version.cuda}); "
+                  "GPU kernel benchmarks not run")
+        print(f"[gpu_kernels] {reason}")
+        out.write_text(json.dumps({**info, "gpu": False, "reason": reason}, indent=2) + "\n")
+        return 0
+
+    device = args.device
+    dtype = torch.bfloat16
+    if device == "cuda":
+        torch.cuda.init()
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=True, name=props.name, sm_count=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2 ** 30, 1))
+    else:
+        info.update(gpu=False, note="CPU dry run of the harness (--device cpu): numbers are not GPU results")
+    sizes = (dict(tokens=256, hidden=64, heads=2, sk=64, vocab_shard=512, adam_numel=1 << 14) if args.small else
+             dict(tokens=16384, hidden=8192, heads=16, sk=2048, vocab_shard=32768, adam_numel=1 << 28))
+    info["sizes"] = sizes
+    bench = timer(device)
+    copy_gbps, copy_ms = copy_bandwidth(device, 1 << 20 if args.small else 1 << 31, bench, args.iters)
+    info["copy"] = {"GBps": round(copy_gbps, 1), "bytes": 2 * ((1 << 20 if args.small else 1 << 31) // 4) * 4,
+                    "ms": round(copy_ms, 4)}
+    print(f"[gpu_kernels] {info.get('name', device)}: device-to-device copy {copy_gbps:.0f} GB/s")
+
+    rows = []
+    for case in make_cases(device, dtype, only=args.only, **sizes):
+        row = {"name": case.name, "shape": case.shape, "dtype": str(case.dtype).replace("torch.", ""),
+               "bytes": case.bytes, "goal": case.goal}
+        if case.compare:
+            row["max_abs_diff_vs_eager"] = max_abs_diff(case.fused(), case.eager())
+        row["fused_ms"] = bench(case.fused, args.iters)
+        row["eager_ms"] = bench(case.eager, args.iters)
+        if not args.no_compile and time.time() - started < args.budget_s:
+            try:
+                compiled = torch.compile(case.eager)
+                compiled()
+                row["compile_ms"] = bench(compiled, args.iters)
+            except Exception as e:  # report, keep going: the other columns still stand
+                row["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        else:
+            row["compile_skipped"] = "--no-compile" if args.no_compile else f"time budget {args.budget_s} s passed"
+        row["fused_GBps"] = case.bytes / row["fused_ms"] / 1e6
+        row["pct_of_copy"] = 100 * row["fused_GBps"] / copy_gbps
+        row["speedup_vs_eager"] = row["eager_ms"] / row["fused_ms"]
+        if "compile_ms" in row:
+            row["speedup_vs_compile"] = row["compile_ms"] / row["fused_ms"]
+        rows.append(row)
+        print(f"[gpu_kernels] {case.name:36s} {row['fused_ms']:8.3f} ms {row['fused_GBps']:7.0f} GB/s "
+              f"({row['pct_of_copy']:4.0f}% of copy)  x{row['speedup_vs_eager']:.2f} eager"
+              + (f"  x{row['speedup_vs_compile']:.2f} compile" if "speedup_vs_compile" in row else ""), flush=True)
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    info.update(kernels=rows, seconds=round(time.time() - started, 1))
+    out.write_text(json.dumps(info, indent=2) + "\n")
+    print(markdown(info))
+    print(f"[gpu_kernels] wrote {out}")
+    return 0
+
+
+def markdown(info) -> str:
+    lines = [f"{info.get('name', info['device'])}, torch {info['torch']}; device-to-device copy "
+             f"{info['copy']['GBps']:.0f} GB/s (read + write)", "",
+             "| kernel | shape | fused ms | GB/s | % of copy | × eager | × torch.compile | goal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in info["kernels"]:
+        comp = f"{r['speedup_vs_compile']:.2f}" if "speedup_vs_compile" in r else "–"
+        lines.append(f"| {r['name']} | {r['shape']} | {r['fused_ms']:.3f} | {r['fused_GBps']:.0f} | "
+                     f"{r['pct_of_copy']:.0f}% | {r['speedup_vs_eager']:.2f} | {comp} | {r['goal']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: build against MEGATORCH_PYTHON's torch with every core
+# into build-gpu/, run the GPU tests, run the GPU benchmarks, and write JSON results into
+# the folder given as the first argument, else $OUT, else build-gpu/results/:
+#
+#   MEGATORCH_PYTHON=python3 scripts/gpu_check.sh [OUT_DIR]
+#
+# Writes gpu_check.json (machine, torch, each step's status and seconds), gpu_tests.json
+# (pytest counts and the skip reasons), kernels.json (scripts/bench/gpu_kernels.py) and
+# gpu_check.log. Meant to finish in under 6 minutes; the benchmark step gets what is left
+# of that as its torch.compile budget.
+#
+# Steps run in order, each a function `step_<name>` listed in STEPS; a step that fails is
+# recorded and the next one still runs; the exit status is non-zero if any failed. A later
+# benchmark (say, GPT training throughput) appends itself: write step_gpt_bench (writing
+# $RESULTS/<name>.json) and add it to STEPS.
+#
+# Without a GPU (no CUDA device visible to that torch) it says so, still builds and runs
+# what does not need one (the kernel tests' CPU half; the GPU tests skip with their
+# reason), writes gpu_check.json with "gpu": false, and exits 0.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+START=$(date +%s)
+LIMIT_S=${MEGATORCH_GPU_CHECK_LIMIT_S:-360}
+export MEGATORCH_BUILD_DIR="${MEGATORCH_BUILD_DIR:-$MT_ROOT/build-gpu}"
+export MEGATORCH_JOBS="${MEGATORCH_JOBS:-$(nproc)}"
+RESULTS="${1:-${OUT:-$MEGATORCH_BUILD_DIR/results}}"
+mkdir -p "$RESULTS"
+RESULTS="$(cd "$RESULTS" && pwd)"
+PY="$(mt_python)"
+LOG="$RESULTS/gpu_check.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$MT_ROOT/torch_ext${PYTHONPATH:+:$PYTHONPATH}"
+export MEGATORCH_LIBRARY="$MEGATORCH_BUILD_DIR/lib/libmegatorch.so" MEGATORCH_BIN_DIR="$MEGATORCH_BUILD_DIR/bin"
+
+STEPS=(env build gpu_tests kernel_bench)
+GPU=false
+elapsed() { echo $(( $(date +%s) - START )); }
+
+# ---- steps
+
+step_env() {
+  "$PY" - "$RESULTS/env.json" <<'EOF'
+import json, os, platform, sys
+import torch
+info = {"python": sys.executable, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "gpu": torch.cuda.is_available(), "host": platform.node(), "cpus": os.cpu_count()}
+if info["gpu"]:
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu_name=p.name, gpu_count=torch.cuda.device_count(), sm=f"{p.major}.{p.minor}",
+                gpu_memory_gib=round(p.total_memory / 2 ** 30, 1))
+json.dump(info, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(info))
+EOF
+  GPU=$("$PY" -c 'import json,sys; print("true" if json.load(open(sys.argv[1]))["gpu"] else "false")' "$RESULTS/env.json")
+  if [[ $GPU != true ]]; then
+    mt_log "NO GPU: torch in $PY sees no CUDA device. Building and running the CPU-side checks only;"
+    mt_log "the GPU tests will skip with their reason and kernels.json will say no GPU. Exit status 0."
+  fi
+}
+
+step_build() {
+  # ProcessGroupGloo.hpp needs gloo's headers (Debian libgloo-dev; the torch wheel lacks
+  # them). A machine without them (and offline) can be given a copy of /usr/include/gloo
+  # in MEGATORCH_GLOO_INCLUDE/gloo or .gloo-include/gloo at the repository root.
+  local dir found=""
+  for dir in "${MEGATORCH_GLOO_INCLUDE:-}" "$MT_ROOT/.gloo-include" /usr/include /usr/local/include; do
+    if [[ -n "$dir" && -f "$dir/gloo/algorithm.h" ]]; then found="$dir"; break; fi
+  done
+  if [[ -z "$found" ]]; then
+    mt_log "gloo headers not found: install libgloo-dev, or copy /usr/include/gloo from a machine that has it into"
+    mt_log "$MT_ROOT/.gloo-include/gloo (or \$MEGATORCH_GLOO_INCLUDE/gloo)"
+    return 1
+  fi
+  [[ $found == /usr/include ]] || export CPLUS_INCLUDE_PATH="$found${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+  # The library is all the GPU tests and benchmarks load (no Catch2 or examples needed).
+  local configure=()
+  [[ -f "$MEGATORCH_BUILD_DIR/build.ninja" ]] || configure=(-DMEGATORCH_BUILD_TESTS=OFF -DMEGATORCH_BUILD_EXAMPLES=OFF)
+  MEGATORCH_TARGETS="megatorch" "$MT_ROOT/scripts/build.sh" "${configure[@]}"
+}
+
+step_gpu_tests() {
+  local status=0
+  (cd "$MT_ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$RESULTS/gpu_tests.xml" \
+     tests/python/unit/test_kernels.py tests/python/unit/test_kernels_adamw.py) || status=$?
+  "$PY" - "$RESULTS/gpu_tests.xml" "$RESULTS/gpu_tests.json" <<'EOF' || true
+import json, sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+cases = suite.findall("testcase")
+def outcome(c):
+    for kind in ("failure", "error", "skipped"):
+        if c.find(kind) is not None:
+            return kind
+    return "passed"
+out = {k: sum(outcome(c) == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+out["skip_reasons"] = sorted({c.find("skipped").get("message", "") for c in cases if outcome(c) == "skipped"})
+out["gpu_cases_run"] = [c.get("name") for c in cases if "cuda" in c.get("name", "") and outcome(c) == "passed"]
+json.dump(out, open(sys.argv[2], "w"), indent=2)
+print("gpu tests:", json.dumps(out))
+EOF
+  return $status
+}
+
+step_kernel_bench() {
+  local left=$(( LIMIT_S - $(elapsed) - 60 ))  # torch.compile budget: what is left, less a margin
+  (( left < 0 )) && left=0
+  "$PY" "$MT_ROOT/scripts/bench/gpu_kernels.py" --out "$RESULTS/kernels.json" --budget-s "$left"
+}
+
+# ---- run them
+
+declare -A STATUS SECONDS_TAKEN
+overall=0
+for step in "${STEPS[@]}"; do
+  t0=$(date +%s)
+  mt_log "step $step (at $(elapsed) s)"
+  set +e
+  ( set -o pipefail; "step_$step" 2>&1 | tee -a "$LOG" )
+  rc=$?
+  set -e
+  # step_env sets GPU in this shell: re-read it after the subshell.
+  [[ $step == env && -f "$RESULTS/env.json" ]] &&
+    GPU=$("$PY" -c 'import json,sys; print("true" if json.load(open(sys.argv[1]))["gpu"] else "false")' "$RESULTS/env.json")
+  STATUS[$step]=$rc
+  SECONDS_TAKEN[$step]=$(( $(date +%s) - t0 ))
+  if (( rc != 0 )); then
+    mt_log "step $step FAILED (exit $rc); see $LOG"
+    overall=1
+  fi
+  [[ $step == build && $rc != 0 ]] && { mt_log "no library: skipping the remaining steps"; break; }
+done
+
+steps_json=""
+for step in "${STEPS[@]}"; do
+  [[ -z "${STATUS[$step]+x}" ]] && continue
+  steps_json+="${steps_json:+, }\"$step\": {\"exit\": ${STATUS[$step]}, \"seconds\": ${SECONDS_TAKEN[$step]}}"
+done
+total=$(elapsed)
+cat >"$RESULTS/gpu_check.json" <<EOF
+{"gpu": $GPU, "seconds": $total, "limit_seconds": $LIMIT_S, "ok": $([[ $overall == 0 ]] && echo true || echo false),
+ "build_dir": "$MEGATORCH_BUILD_DIR", "python": "$PY",
+ "steps": {$steps_json}}
+EOF
+mt_log "results in $RESULTS: $(cd "$RESULTS" && ls | tr '\n' ' ')"
+(( total > LIMIT_S )) && mt_log "took $total s, over the $LIMIT_S s target"
+if [[ $GPU != true ]]; then
+  mt_log "NO GPU on this machine: built and ran the CPU-side checks; no GPU numbers (gpu_check.json: \"gpu\": false)."
+  exit $overall
+fi
+mt_log "done in $total s"
+exit $overall

@@ -1,0 +1,240 @@
+"""Fused operators against unfused PyTorch references (CPU), gradcheck in double,
+opcheck; the GPU comparison with the CPU implementation when a GPU is present.
+Tolerances: fp32 1e-5 (only the summation order differs), bf16 2e-2 relative (the
+fused kernels round once, the references after every op)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatorch  # noqa: F401
+
+ops = torch.ops.megatorch
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3), torch.float64: dict(rtol=1e-10, atol=1e-10)}
+
+
+def ref_rope(x, freqs):
+    r = freqs.shape[-1]
+    rot, rest = x[..., :r].float(), x[..., r:]
+    x1, x2 = rot.chunk(2, -1)
+    out = (rot * freqs.cos() + torch.cat([-x2, x1], -1) * freqs.sin()).to(x.dtype)
+    return torch.cat([out, rest], -1)
+
+
+def ref_masked_softmax(x, mask, scale):
+    y = x.float() * scale
+    if mask is not None:
+        y = y.masked_fill(mask, float("-inf"))
+    out = torch.softmax(y, -1).nan_to_num(0.0)
+    return out.to(x.dtype)
+
+
+def ref_causal_softmax(x, scale):
+    sq, sk = x.shape[-2:]
+    mask = torch.ones(sq, sk, dtype=torch.bool).triu(1)
+    return ref_masked_softmax(x, mask, scale)
+
+
+def cases(dtype, gen):
+    """(name, fused fn, reference fn, inputs) for every differentiable operator."""
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+    h = 37  # not a multiple of any vector width
+    out = [
+        ("bias_gelu", ops.bias_gelu, lambda x, b: F.gelu(x.float() + b.float(), approximate="tanh").to(x.dtype),
+         (r(3, 5, h), r(h))),
+        ("swiglu", ops.swiglu, lambda x: (F.silu(x.float().chunk(2, -1)[0]) * x.float().chunk(2, -1)[1]).to(x.dtype),
+         (r(4, 3, 2 * h),)),
+        ("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b, 1e-5),
+         lambda x, w, b: F.layer_norm(x.float(), (h,), w.float(), b.float(), 1e-5).to(x.dtype), (r(6, h), r(h), r(h))),
+        ("rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-6),
+         lambda x, w: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(x.dtype),
+         (r(6, h), r(h))),
+        ("rotary_embedding", lambda x: ops.rotary_embedding(x, FREQS),
+         lambda x: ref_rope(x, FREQS), (r(5, 2, 3, 10),)),
+        ("scaled_masked_softmax", lambda x: ops.scaled_masked_softmax(x, MASK, 0.3),
+         lambda x: ref_masked_softmax(x, MASK, 0.3), (r(2, 3, 5, 33),)),
+        ("scaled_upper_triang_masked_softmax", lambda x: ops.scaled_upper_triang_masked_softmax(x, 0.7),
+         lambda x: ref_causal_softmax(x, 0.7), (r(6, 9, 9),)),
+        ("bias_dropout_add_eval", lambda x, b, res: ops.bias_dropout_add(x, b, res, 0.1, False),
+         lambda x, b, res: (res.float() + x.float() + b.float()).to(x.dtype), (r(4, h), r(h), r(4, h))),
+    ]
+    return out
+
+
+FREQS = (torch.arange(5, dtype=torch.float32)[:, None] * torch.tensor([1.0, 0.3, 0.1, 0.1, 0.3, 1.0])
+         ).view(5, 1, 1, 6)  # r = 6 < d = 10: the last 4 channels pass through
+MASK = torch.zeros(2, 1, 5, 33, dtype=torch.bool)
+MASK[0, 0, 1, ::2] = True
+MASK[1, 0, 3, :] = True  # a fully masked row -> zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_and_backward_match_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for name, fused, ref, inputs in cases(dtype, gen):
+        a = [t.clone().requires_grad_(True) for t in inputs]
+        b = [t.clone().requires_grad_(True) for t in inputs]
+        ya, yb = fused(*a), ref(*b)
+        torch.testing.assert_close(ya, yb, **TOL[dtype], msg=lambda m: f"{name} forward: {m}")
+        g = torch.randn(ya.shape, generator=gen).to(dtype)
+        ya.backward(g)
+        yb.backward(g)
+        tol = TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-5)
+        for i, (ta, tb) in enumerate(zip(a, b)):
+            torch.testing.assert_close(ta.grad, tb.grad, **tol, msg=lambda m: f"{name} grad {i}: {m}")
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    y = ops.scaled_masked_softmax(torch.randn(1, 1, 2, 4), torch.ones(1, 1, 2, 4, dtype=torch.bool), 1.0)
+    assert torch.equal(y, torch.zeros(1, 1, 2, 4))
+
+
+@pytest.mark.parametrize("sk", [1, 7, 1000, 4096])
+def test_softmax_long_rows(sk):
+    x = torch.randn(1, 2, 3, sk)
+    torch.testing.assert_close(ops.scaled_masked_softmax(x, None, 0.125), torch.softmax(x * 0.125, -1),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_in_double():
+    gen = torch.Generator().manual_seed(1)
+    for name, fused, _, inputs in cases(torch.float64, gen):
+        args = [t.clone().requires_grad_(True) for t in inputs]
+        assert torch.autograd.gradcheck(fused, args, eps=1e-6, atol=1e-6), name
+
+
+def test_bias_dropout_add_equals_unfused_under_same_generator_state():
+    x, b, res = torch.randn(8, 33), torch.randn(33), torch.randn(8, 33)
+    torch.manual_seed(5)
+    fused = ops.bias_dropout_add(x, b, res, 0.3, True)
+    torch.manual_seed(5)
+    unfused = res + F.dropout(x + b, 0.3, True)
+    assert torch.equal(fused, unfused)
+    dropped = (fused - res == 0).float().mean().item()
+    assert 0.15 < dropped < 0.45
+
+
+def test_bias_dropout_add_backward_uses_the_mask():
+    x = torch.randn(64, 16, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    res = torch.randn(64, 16, requires_grad=True)
+    y = ops.bias_dropout_add(x, b, res, 0.5, True)
+    y.sum().backward()
+    kept = (y - res.detach()) != 0
+    torch.testing.assert_close(x.grad, kept.float() * 2.0)
+    torch.testing.assert_close(b.grad, x.grad.sum(0))
+    assert torch.equal(res.grad, torch.ones_like(res))
+
+
+def test_cross_entropy_local():
+    logits = torch.randn(5, 3, 11)
+    target = torch.tensor([[0, 12, 3], [11, 14, 20], [-100, 13, 12], [19, 15, 16], [12, 13, 14]])
+    start, real = 11, 9  # columns 20, 21 of this shard are padding
+    mx, se, tl, sl = ops.vocab_parallel_cross_entropy_local(logits, target, start, real)
+    x = logits[..., :real]
+    torch.testing.assert_close(mx, x.max(-1).values)
+    torch.testing.assert_close(se, (x - x.max(-1, keepdim=True).values).exp().sum(-1))
+    torch.testing.assert_close(sl, x.sum(-1))
+    local = target - start
+    inside = (local >= 0) & (local < 11)
+    expect = torch.where(inside, logits.gather(-1, local.clamp(0, 10).unsqueeze(-1)).squeeze(-1), 0.0)
+    torch.testing.assert_close(tl, expect)
+
+
+def _opcheck_args():
+    x = torch.randn(3, 4, 8)
+    return {
+        "bias_gelu": (x.clone().requires_grad_(), torch.randn(8, requires_grad=True)),
+        "swiglu": (x.clone().requires_grad_(),),
+        "layer_norm": (x.clone().requires_grad_(), torch.randn(8, requires_grad=True), torch.randn(8), 1e-5),
+        "rms_norm": (x.clone().requires_grad_(), torch.randn(8, requires_grad=True), 1e-5),
+        "rotary_embedding": (torch.randn(5, 2, 3, 8, requires_grad=True), torch.randn(5, 1, 1, 4)),
+        "scaled_masked_softmax": (torch.randn(2, 3, 4, 5, requires_grad=True), torch.rand(2, 1, 4, 5) > 0.5, 0.5),
+        "scaled_upper_triang_masked_softmax": (torch.randn(6, 5, 5, requires_grad=True), 0.5),
+        "bias_dropout_add": (x.clone().requires_grad_(), torch.randn(8), torch.randn(3, 4, 8), 0.2, False),
+        "vocab_parallel_cross_entropy_local": (torch.randn(4, 9), torch.tensor([0, 3, 12, -100]), 2, 7),
+    }
+
+
+@pytest.mark.parametrize("name", list(_opcheck_args()))
+def test_opcheck(name):
+    torch.library.opcheck(getattr(ops, name).default, _opcheck_args()[name])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU comparisons with the CPU kernels skipped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_cpu(dtype):
+    gen = torch.Generator().manual_seed(2)
+    global FREQS, MASK
+    for name, fused, _, inputs in cases(dtype, gen):
+        cpu_in = [t.clone().requires_grad_(True) for t in inputs]
+        y_cpu = fused(*cpu_in)
+        g = torch.randn(y_cpu.shape, generator=gen).to(dtype)
+        y_cpu.backward(g)
+        FREQS, MASK = FREQS.cuda(), MASK.cuda()
+        try:
+            gpu_in = [t.cuda().requires_grad_(True) for t in inputs]
+            y_gpu = fused(*gpu_in)
+            y_gpu.backward(g.cuda())
+        finally:
+            FREQS, MASK = FREQS.cpu(), MASK.cpu()
+        torch.testing.assert_close(y_gpu.cpu(), y_cpu, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+        for a, b in zip(gpu_in, cpu_in):
+            torch.testing.assert_close(a.grad.cpu(), b.grad, **TOL[dtype], msg=lambda m: f"{name} grad: {m}")
+    x = torch.randn(2, 4, 4096, 4096 // 64, generator=gen).to(dtype)
+    torch.testing.assert_close(ops.scaled_upper_triang_masked_softmax(x.view(8, 4096, 64).cuda()[:, :64, :64], 0.1).cpu(),
+                               ops.scaled_upper_triang_masked_softmax(x.view(8, 4096, 64)[:, :64, :64], 0.1), **TOL[dtype])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU dropout statistics skipped")
+def test_cuda_bias_dropout_add_rate_and_generator():
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.manual_seed(3)
+    a = ops.bias_dropout_add(x, None, torch.zeros_like(x), 0.25, True)
+    torch.cuda.manual_seed(3)
+    b = ops.bias_dropout_add(x, None, torch.zeros_like(x), 0.25, True)
+    assert torch.equal(a, b)
+    assert abs((a == 0).float().mean().item() - 0.25) < 0.01
+    assert math.isclose(a.max().item(), 1 / 0.75, rel_tol=1e-6)
+
+
+def test_extreme_inputs_match_reference():
+    """The CPU kernels' vectorised exp (cpu_vec.cpp) at the edges: saturation, underflow, -inf."""
+    x = torch.tensor([-200.0, -90.0, -87.5, -30.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 30.0, 87.5, 90.0, 200.0])
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.bias_gelu(x[None], torch.zeros_like(x)), F.gelu(x[None], approximate="tanh"), **tol)
+    torch.testing.assert_close(ops.swiglu(torch.cat([x, torch.ones_like(x)])[None]), F.silu(x)[None], **tol)
+    for scale in [1.0, 0.01]:
+        torch.testing.assert_close(ops.scaled_masked_softmax(x.view(1, 1, 1, -1), None, scale),
+                                   torch.softmax(x * scale, -1).view(1, 1, 1, -1), **tol)
+    mx, se, tl, sl = ops.vocab_parallel_cross_entropy_local(x[None], torch.tensor([3]), 0, x.numel())
+    torch.testing.assert_close(se, (x - x.max()).exp().sum()[None], **tol)
+    grad = torch.randn(1, x.numel())
+    xg = x[None].clone().requires_grad_(True)
+    ops.bias_gelu(xg, torch.zeros_like(x)).backward(grad)
+    xr = x[None].clone().requires_grad_(True)
+    F.gelu(xr, approximate="tanh").backward(grad)
+    torch.testing.assert_close(xg.grad, xr.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4099])
+def test_vector_tails(dtype, n):
+    """Row lengths around and between the vector widths (4, 8, 16 floats)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(3, n, generator=gen).to(dtype)
+    b, w = torch.randn(n, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    tol = TOL[dtype]
+    f = lambda t: t.float()  # noqa: E731
+    torch.testing.assert_close(ops.bias_gelu(x, b), F.gelu(f(x) + f(b), approximate="tanh").to(dtype), **tol)
+    torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5), F.layer_norm(f(x), (n,), f(w), f(b), 1e-5).to(dtype),
+                               **tol)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5),
+                               (f(x) * torch.rsqrt(f(x).pow(2).mean(-1, keepdim=True) + 1e-5) * f(w)).to(dtype), **tol)
+    torch.testing.assert_close(ops.swiglu(torch.cat([x, x.flip(-1)], -1)), (F.silu(f(x)) * f(x).flip(-1)).to(dtype),
+                               **tol)
+    torch.testing.assert_close(ops.scaled_upper_triang_masked_softmax(x.view(1, 3, n)[:, :, :n], 0.5)[0, 2, :3],
+                               ref_causal_softmax(x.view(1, 3, n), 0.5)[0, 2, :3], **tol)
