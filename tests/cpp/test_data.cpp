@@ -4,31 +4,44 @@
 // rules, and the preprocessing of JSONL.
 #include <catch2/catch.hpp>
 #include <megatorch/megatorch.h>
+#include <ftw.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
 
 namespace md = megatorch::data;
-namespace fs = std::filesystem;
 using Catch::Contains;
 
 namespace {
 
-// A fresh directory under the system temp dir, removed at the end of the test.
+// A fresh directory under the system temp dir, removed at the end of the test. (POSIX
+// calls, not std::filesystem: libtorch exports an incompatible copy of its symbols.)
 struct TempDir {
-  fs::path path;
+  std::string path;
   TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "megatorch_data_XXXXXX").string();
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/megatorch_data_XXXXXX";
     REQUIRE(mkdtemp(tmpl.data()) != nullptr);
     path = tmpl;
   }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
+  ~TempDir() {
+    nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+  }
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
 };
+
+int64_t file_size(const std::string& p) {
+  struct stat st {};
+  REQUIRE(::stat(p.c_str(), &st) == 0);
+  return static_cast<int64_t>(st.st_size);
+}
 
 std::vector<uint8_t> read_bytes(const std::string& p) {
   std::ifstream f(p, std::ios::binary);
@@ -118,7 +131,7 @@ TEST_CASE("every dtype code round-trips, and tokens that do not fit are refused"
     const md::IndexedDataset ds(prefix);
     CHECK(ds.dtype() == dtype);
     CHECK(to_vec(ds.get(0)) == seq);
-    CHECK(fs::file_size(md::bin_path(prefix)) == static_cast<uintmax_t>(5 * md::dtype_size(dtype)));
+    CHECK(file_size(md::bin_path(prefix)) == 5 * md::dtype_size(dtype));
   }
   md::IndexedDatasetBuilder b(dir / "narrow.bin", md::DType::kUInt8);
   const int64_t too_big[] = {256};
@@ -210,7 +223,7 @@ TEST_CASE("corrupt, truncated and mismatched files fail naming the file and the 
   // A document index that stops short of the last sequence: 0, 1, 1.
   CHECK_THAT(open_with(patched(doc_at + 16, le64(1)), bin), Contains("ends at sequence 1, but there are 2"));
   CHECK_THROWS_WITH(md::IndexedDataset(dir / "missing"), Contains("missing.idx") && Contains("both files exist"));
-  fs::remove(md::bin_path(other));
+  ::unlink(md::bin_path(other).c_str());
   CHECK_THROWS_WITH(md::IndexedDataset(other), Contains("other.bin"));
 }
 

@@ -79,7 +79,7 @@ def test_files_written_by_megatron_are_read_by_megatorch(tmp_path, dtype):
     info = json.loads(run(DATASET, "info", prefix))
     assert info["dtype"] == dtype.__name__
     assert info["dtype_code"] == mid.DType.code_from_dtype(dtype)
-    assert (info["sequences"], info["documents"], info["tokens"]) == (5, 4, 11)
+    assert (info["sequences"], info["documents"], info["tokens"]) == (4, 4, 10)
     read = [json.loads(line)["ids"] for line in run(DATASET, "docs", prefix).splitlines()]
     assert read == docs
 
@@ -136,8 +136,10 @@ def test_pretokenized_ids_match_megatron_for_a_large_vocabulary(tmp_path):
 
 
 class _ByteTokenizer:
-    """What GPTDataset needs of a tokenizer: the end-of-document id (no pad id: -1 is used)."""
+    """What GPTDataset needs of a tokenizer: the end-of-document id and the vocabulary size
+    (no pad id: Megatron then uses -1)."""
     eod = 256
+    vocab_size = 257
     unique_identifiers = {"class": "ByteLevel"}
 
 
@@ -161,12 +163,14 @@ def corpora(tmp_path_factory):
 
 
 CASES = {
-    # one prefix: 3 epochs of the train split, the last used for < 80% (shuffled on its own)
-    "single_separate_final_epoch": (["A"], 32, 1234, "969,30,1", [3000, 40, 4]),
-    # one prefix: the last epoch used for > 80% (one global shuffle)
-    "single_whole_final_epoch": (["A"], 16, 7, "90,9,1", [2900, 100, 10]),
-    "single_one_epoch": (["A"], 24, 99, "949,50,1", [-1, -1, -1]),
-    "weighted_blend": (["0.3", "A", "0.7", "B"], 16, 1234, "969,30,1", [1500, 60, 6]),
+    # one prefix: 3 epochs of the train split (~1200 samples each), the last used for < 80%
+    # and so shuffled on its own
+    "single_separate_final_epoch": (["A"], 32, 1234, "90,8,2", [2700, 40, 4]),
+    # one prefix: 2 epochs (~2400 samples each), the last used for > 80%: one shuffle
+    "single_whole_final_epoch": (["A"], 16, 7, "90,9,1", [4500, 100, 10]),
+    "single_one_epoch": (["A"], 24, 99, "80,15,5", [-1, -1, -1]),
+    # B's train split needs 2 epochs for its 70%
+    "weighted_blend": (["0.3", "A", "0.7", "B"], 16, 1234, "90,8,2", [1500, 60, 6]),
     "unweighted_blend": (["A", "B"], 16, 5, "98,2,0", [700, 30, 0]),
 }
 
