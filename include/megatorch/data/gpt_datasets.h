@@ -56,8 +56,10 @@ struct GPTDataOptions {
   TORCH_ARG(int64_t, seq_length) = 0;
   TORCH_ARG(int64_t, seed) = 1234;
   TORCH_ARG(std::string, split) = "969,30,1";
-  // Samples wanted per split (train, valid, test), e.g. train_iters * global_batch_size;
-  // -1: one epoch of that split (only without weights). A dataset has at least this many.
+  // Samples wanted per split (train, valid, test); -1: one epoch of that split (only
+  // without weights). A dataset has at least this many. Megatron's pretrain_gpt asks for
+  // train_iters * gbs, (train_iters / eval_interval + 1) * eval_iters * gbs and
+  // eval_iters * gbs (gbs = global batch size).
   TORCH_ARG(SampleCounts, num_samples) = SampleCounts{-1, -1, -1};
 };
 
