@@ -67,6 +67,9 @@ TransformerLayer = _cpp.TransformerLayer
 ParallelAttention = _cpp.ParallelAttention
 ParallelMLP = _cpp.ParallelMLP
 rope_frequencies = _cpp.rope_frequencies
+save_checkpoint = _cpp.save_checkpoint
+load_checkpoint = _cpp.load_checkpoint
+checkpoint_config = _cpp.checkpoint_config
 
 # bind_module's wrappers are made at run time: give them this module's name and the
 # constructor's signature as their documentation.
@@ -75,4 +78,4 @@ for _cls in (GPTModel, TransformerLayer, ParallelAttention, ParallelMLP):
     _cls.__doc__ = getattr(_cpp.cpp, _cls.__name__).__init__.__doc__
 
 __all__ = ["TransformerConfig", "GPTModel", "TransformerLayer", "ParallelAttention", "ParallelMLP",
-           "rope_frequencies", "extension_path"]
+           "rope_frequencies", "save_checkpoint", "load_checkpoint", "checkpoint_config", "extension_path"]
