@@ -106,7 +106,7 @@ TEST_CASE("checkpoint saved at TP2 x PP loads at TP1, TP=world and as ZeRO range
     config.num_layers(4);
     INFO(variant.name);
     const std::string dir = test_dir(world_g, "reshard_" + variant.name);
-    GPTModel ref(GPTModelOptions(config));  // the saved weights, whole, on every rank
+    GPTModel ref{GPTModelOptions(config)};  // the saved weights, whole, on every rank
     const double ref_loss = loss_of(ref, config);
 
     // Save: TP2 x PP(world/2), 2 virtual chunks per stage when pipelined (a chunk per layer).
@@ -179,7 +179,7 @@ TEST_CASE("checkpoint saved as ZeRO ranges (model and optimizer state) loads at 
   // GQA, SwiGLU (fused parts), RoPE, RMSNorm, untied output layer.
   const auto config = gpt_test::variants()[1].config.num_layers(4).tie_embeddings(false);
   const std::string dir = test_dir(world_g, "zero");
-  GPTModel ref(GPTModelOptions(config));
+  GPTModel ref{GPTModelOptions(config)};
   auto entries = zero_entries(ref, world_g.rank(), world, "model/", true);
   for (auto e : zero_entries(ref, world_g.rank(), world, "optim/exp_avg/", true)) {
     e.tensor = e.tensor * 2;  // a stand-in optimizer state: twice the parameter
@@ -309,7 +309,7 @@ TEST_CASE("bad checksum, missing shard, other model shape: errors on every rank,
     const auto w = big_es[0].tensor.clone();
     CHECK_THROWS_WITH(ckpt::load_checkpoint(dir, big_es, ckpt::LoadOptions().group(world_g.name()).model_config(
                                                              ckpt::gpt_shape_json(other))),
-                      Catch::Contains("is of another model (hidden_size: checkpoint 32, model 64"));
+                      Catch::Contains("is of another model (") && Catch::Contains("hidden_size: checkpoint 32, model 64"));
     // Without the configuration check, the first tensor's shape gives it away.
     CHECK_THROWS_WITH(ckpt::load_checkpoint(dir, big_es, ckpt::LoadOptions().group(world_g.name())),
                       Catch::Contains("the checkpoint is of another model shape"));
@@ -317,7 +317,7 @@ TEST_CASE("bad checksum, missing shard, other model shape: errors on every rank,
     untouched();
   }
   SECTION("replicas that all write are refused at save") {
-    GPTModel rep(GPTModelOptions(config));  // TP1 on every rank, all claiming to write
+    GPTModel rep{GPTModelOptions(config)};  // TP1 on every rank, all claiming to write
     auto rep_es = ckpt::gpt_model_entries(*rep);
     CHECK_THROWS_WITH(ckpt::save_checkpoint(dir, 4, rep_es, state_for(config, world_g.rank()), world_g.name()),
                       Catch::Contains("are written twice"));
