@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -117,6 +118,15 @@ void write_file_atomic(const fs::path& path, const std::string& text) {
   }
   fs::rename(tmp, path);
   fsync_dir(path.parent_path());
+}
+
+// rm -rf: std::filesystem::remove_all resolves to libtorch's own copy of the symbol,
+// which crashes on non-empty directories (seen with torch 2.11); nftw does not.
+void remove_tree(const fs::path& path) {
+  if (!fs::exists(fs::symlink_status(path))) return;
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
+  MEGATORCH_CHECK(::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0, "cannot remove '", path.string(),
+                  "': ", std::strerror(errno));
 }
 
 std::string rank_filename(int64_t rank) {
@@ -282,7 +292,7 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
     }
     if (r.rank == 0) {
       fs::create_directories(root);
-      fs::remove_all(tmp_dir);
+      remove_tree(tmp_dir);
       fs::create_directories(tmp_dir);
     }
   });
@@ -335,12 +345,12 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
     fsync_dir(tmp_dir);
     const fs::path old_dir = root / (iteration_dirname(iteration) + ".old");
     if (fs::exists(final_dir)) {  // saving the same iteration again: swap, then drop
-      fs::remove_all(old_dir);
+      remove_tree(old_dir);
       fs::rename(final_dir, old_dir);
     }
     fs::rename(tmp_dir, final_dir);
     fsync_dir(root);
-    fs::remove_all(old_dir);
+    remove_tree(old_dir);
     write_file_atomic(root / kLatest, std::to_string(iteration) + "\n");
   });
   agree(r, error, "save_checkpoint (publishing)");

@@ -8,6 +8,9 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <ftw.h>
+
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -24,13 +27,20 @@ namespace pipeline = megatorch::pipeline;
 
 namespace {
 
+// rm -rf (std::filesystem::remove_all resolves to libtorch's copy, which crashes).
+void remove_tree(const fs::path& path) {
+  if (!fs::exists(fs::symlink_status(path))) return;
+  ::nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return std::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
 // One directory per test case, the same on every rank of this torchrun job.
 std::string test_dir(Group& world, const std::string& name) {
   const char* run = std::getenv("TORCHELASTIC_RUN_ID");
   const char* port = std::getenv("MASTER_PORT");
   const fs::path dir = fs::temp_directory_path() /
                        ("megatorch_ckpt_" + std::string(run ? run : "") + "_" + (port ? port : "0") + "_" + name);
-  if (world.rank() == 0) fs::remove_all(dir);
+  if (world.rank() == 0) remove_tree(dir);
   world.barrier();
   return dir.string();
 }
@@ -166,7 +176,7 @@ TEST_CASE("checkpoint saved at TP2 x PP loads at TP1, TP=world and as ZeRO range
       CHECK(loss_of(m, config) == ref_loss);
     }
     world_g.barrier();
-    if (world_g.rank() == 0) fs::remove_all(dir);
+    if (world_g.rank() == 0) remove_tree(dir);
   }
 }
 
@@ -211,7 +221,7 @@ TEST_CASE("checkpoint saved as ZeRO ranges (model and optimizer state) loads at 
     CHECK(torch::equal(es[n + i].tensor, es[i].tensor * 2));
   }
   world_g.barrier();
-  if (world_g.rank() == 0) fs::remove_all(dir);
+  if (world_g.rank() == 0) remove_tree(dir);
 }
 
 TEST_CASE("a killed save leaves the previous checkpoint loadable", "[mp][ckpt]") {
@@ -252,7 +262,7 @@ TEST_CASE("a killed save leaves the previous checkpoint loadable", "[mp][ckpt]")
   CHECK(ckpt::load_checkpoint(dir, es, ckpt::LoadOptions().iteration(1).group(world_g.name())).iteration == 1);
   for (size_t i = 0; i < es.size(); ++i) CHECK(torch::equal(es[i].tensor, -entries[i].tensor));
   world_g.barrier();
-  if (world_g.rank() == 0) fs::remove_all(dir);
+  if (world_g.rank() == 0) remove_tree(dir);
 }
 
 TEST_CASE("bad checksum, missing shard, other model shape: errors on every rank, weights untouched", "[mp][ckpt]") {
@@ -324,5 +334,5 @@ TEST_CASE("bad checksum, missing shard, other model shape: errors on every rank,
     CHECK(ckpt::latest_iteration(dir) == 3);
   }
   world_g.barrier();
-  if (world_g.rank() == 0) fs::remove_all(dir);
+  if (world_g.rank() == 0) remove_tree(dir);
 }
