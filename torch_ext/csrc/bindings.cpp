@@ -320,6 +320,44 @@ PYBIND11_MODULE(_cpp, m) {
            py::arg("config"), py::arg("group") = py::none(), py::arg("name") = "mlp")
       .def("forward", &ParallelMLPImpl::forward, py::arg("x"), release_gil());
 
+  // Checkpoints of a GPTModel (include/megatorch/ckpt): sharded, resharding on load.
+  m.def(
+      "save_checkpoint",
+      [](GPTModelImpl& model, const std::string& dir, int64_t iteration, const py::object& group, bool writer) {
+        auto entries = megatorch::ckpt::gpt_model_entries(model, megatorch::ckpt::GPTEntriesOptions().writer(writer));
+        megatorch::ckpt::CheckpointState state;
+        state.model_config = megatorch::ckpt::gpt_config_json(model.options.config());
+        py::gil_scoped_release no_gil;
+        megatorch::ckpt::save_checkpoint(dir, iteration, entries, state, group_name(group));
+      },
+      py::arg("model"), py::arg("dir"), py::arg("iteration"), py::arg("group") = py::none(), py::arg("writer") = true,
+      "Saves the model's parameters as checkpoint `iteration` under `dir`. `group`: every rank taking part\n"
+      "(the world), None for one process; writer=False on data-parallel replicas.");
+  m.def(
+      "load_checkpoint",
+      [](GPTModelImpl& model, const std::string& dir, int64_t iteration, const py::object& group) {
+        auto entries = megatorch::ckpt::gpt_model_entries(model);
+        const auto opts = megatorch::ckpt::LoadOptions()
+                              .iteration(iteration)
+                              .group(group_name(group))
+                              .model_config(megatorch::ckpt::gpt_shape_json(model.options.config()));
+        megatorch::ckpt::LoadedCheckpoint loaded;
+        {
+          py::gil_scoped_release no_gil;
+          loaded = megatorch::ckpt::load_checkpoint(dir, entries, opts);
+        }
+        return loaded.iteration;
+      },
+      py::arg("model"), py::arg("dir"), py::arg("iteration") = -1, py::arg("group") = py::none(),
+      "Loads checkpoint `iteration` (-1: the latest) of `dir` into the model, whatever layout saved it;\n"
+      "returns the iteration.");
+  m.def(
+      "checkpoint_config",
+      [](const std::string& dir, int64_t iteration) {
+        return megatorch::ckpt::gpt_config_from_json(megatorch::ckpt::read_metadata(dir, iteration).at("model_config"));
+      },
+      py::arg("dir"), py::arg("iteration") = -1, "The TransformerConfig a checkpoint was saved with.");
+
   m.def("rope_frequencies", &tf::rope_frequencies, py::arg("seq_length"), py::arg("head_dim"),
         py::arg("base") = 10000.0, py::arg("device") = c10::Device(c10::kCPU),
         "RoPE angles [s, 1, 1, head_dim] for TransformerLayer/ParallelAttention.forward(x, rope_freqs)");

@@ -67,6 +67,26 @@ TransformerLayer = _cpp.TransformerLayer
 ParallelAttention = _cpp.ParallelAttention
 ParallelMLP = _cpp.ParallelMLP
 rope_frequencies = _cpp.rope_frequencies
+checkpoint_config = _cpp.checkpoint_config
+
+
+def _cpp_module(model):
+    """The C++ module behind a bind_module wrapper (the functions below take it)."""
+    return getattr(model, "cpp_module", model)
+
+
+def save_checkpoint(model, dir, iteration, group=None, writer=True):
+    """Saves a GPTModel's parameters as checkpoint ``iteration`` under ``dir`` (include/megatorch/ckpt):
+    sharded by its TP layout, loadable at any other. ``group``: every rank taking part (usually the
+    world), None for one process; ``writer=False`` on data-parallel replicas."""
+    _cpp.save_checkpoint(_cpp_module(model), str(dir), iteration, group, writer)
+
+
+def load_checkpoint(model, dir, iteration=-1, group=None):
+    """Loads checkpoint ``iteration`` (-1: the latest) of ``dir`` into a GPTModel, whatever layout saved
+    it; returns the iteration. Another model shape, a missing shard or a bad checksum raise before any
+    weight changes."""
+    return _cpp.load_checkpoint(_cpp_module(model), str(dir), iteration, group)
 
 # bind_module's wrappers are made at run time: give them this module's name and the
 # constructor's signature as their documentation.
@@ -75,4 +95,4 @@ for _cls in (GPTModel, TransformerLayer, ParallelAttention, ParallelMLP):
     _cls.__doc__ = getattr(_cpp.cpp, _cls.__name__).__init__.__doc__
 
 __all__ = ["TransformerConfig", "GPTModel", "TransformerLayer", "ParallelAttention", "ParallelMLP",
-           "rope_frequencies", "extension_path"]
+           "rope_frequencies", "save_checkpoint", "load_checkpoint", "checkpoint_config", "extension_path"]

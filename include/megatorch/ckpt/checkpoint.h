@@ -1,0 +1,72 @@
+#pragma once
+// Sharded checkpoints: every rank writes its own pieces (ShardedEntry) to one safetensors
+// file, rank 0 writes metadata.json describing every global tensor (logical shape, and
+// for each piece its TP split, element range and file), the model configuration and the
+// caller's states. Load reassembles each entry of ANY layout from whichever saved pieces
+// overlap it, so TP, PP, DP and ZeRO sharding may all differ from the saving run.
+//
+//   <dir>/latest_checkpointed_iteration.txt   the iteration of the last complete save
+//   <dir>/iter_0000100/metadata.json           written last inside the directory
+//   <dir>/iter_0000100/rank_00003.safetensors  one per rank that holds pieces to write
+//
+// Atomic: a save is written under iter_XXXXXXX.tmp, every file and the directory are
+// fsync'd, the directory is renamed into place, and only then is the `latest` file
+// replaced (by rename). A save killed at any point leaves the previous checkpoint
+// loadable. Load validates everything (keys, shapes, model configuration, files, CRC-32
+// checksums, coverage) on every rank and agrees over the group before any tensor changes.
+#include <torch/arg.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "megatorch/ckpt/sharded_entry.h"
+
+namespace megatorch::ckpt {
+
+// What a checkpoint carries besides tensors; all opaque JSON from the caller.
+struct CheckpointState {
+  // The model's architecture (e.g. gpt_config_json); LoadOptions::model_config is
+  // compared with it before anything loads.
+  nlohmann::json model_config;
+  // Run-wide (iteration counters, loss scaler, data-iterator position): rank 0's is kept.
+  nlohmann::json state;
+  // This rank's own (RNG states); every rank's is kept, by global rank.
+  nlohmann::json rank_state;
+};
+
+// Writes `entries` (those with write = true) as checkpoint `iteration` under `dir`.
+// `group` names the group of every rank taking part (usually the world), "" for a single
+// process. Collective over the group; it returns once the checkpoint is published.
+void save_checkpoint(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
+                     const CheckpointState& state, const std::string& group = "");
+
+struct LoadOptions {
+  TORCH_ARG(int64_t, iteration) = -1;  // -1: the one `latest` names
+  // Fields that must equal the checkpoint's model_config (e.g. gpt_shape_json); null: none.
+  TORCH_ARG(nlohmann::json, model_config) = nullptr;
+  TORCH_ARG(std::string, group) = "";  // as for save_checkpoint
+};
+
+struct LoadedCheckpoint {
+  int64_t iteration = -1;
+  std::string path;     // the iteration's directory
+  int64_t world_size = 1;  // of the saving run
+  // state and model_config as saved; rank_state is this rank's when the saving run had
+  // the same world size, else null (its RNG states mean nothing in another layout).
+  CheckpointState state;
+  std::vector<nlohmann::json> rank_states;  // every saving rank's
+};
+
+// Fills every entry's tensor from checkpoint `dir`. Collective over options.group.
+LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntry>& entries,
+                                 const LoadOptions& options = {});
+
+// "iter_0000100", Megatron's directory name.
+std::string iteration_dirname(int64_t iteration);
+// The iteration `latest` names; -1 when `dir` holds no checkpoint.
+int64_t latest_iteration(const std::string& dir);
+// The parsed metadata.json of an iteration (-1: the latest).
+nlohmann::json read_metadata(const std::string& dir, int64_t iteration = -1);
+
+}  // namespace megatorch::ckpt
