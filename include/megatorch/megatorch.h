@@ -27,3 +27,8 @@
 #include "megatorch/pipeline/schedule.h"
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/pipeline/timeline_svg.h"
+#include "megatorch/plan/calibrate.h"
+#include "megatorch/plan/cost_model.h"
+#include "megatorch/plan/memory.h"
+#include "megatorch/plan/model_spec.h"
+#include "megatorch/plan/planner.h"
