@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 
 #include "megatorch/check.h"
@@ -73,7 +74,8 @@ CalibrationReport calibrate(const Cluster& cluster, const CalibrateOptions& o) {
 #ifdef MEGATORCH_WITH_CUDA
   cuda = o.use_cuda && at::cuda::is_available();
 #endif
-  const parallel::LaunchEnv env = parallel::LaunchEnv::from_environment();
+  // One process unless torchrun set the environment.
+  const parallel::LaunchEnv env = std::getenv("WORLD_SIZE") ? parallel::LaunchEnv::from_environment() : parallel::LaunchEnv{};
   const at::Device device = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)) : at::Device(at::kCPU);
   const auto dtype = cuda ? at::kBFloat16 : at::kFloat;
   const auto opts = at::TensorOptions().device(device).dtype(dtype);

@@ -84,7 +84,8 @@ def test_calibration_round_trip_changes_predictions(tmp_path):
         assert saved[key] == measured[key]
     assert measured["measurements"]["matmul"]
     args = ["--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "32", "--tensor-model-parallel-size", "2",
-            "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--zero-stage", "1",
+            "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "1",
+            "--micro-batch-size", "1", "--zero-stage", "1",
             "--recompute-granularity", "full", "--no-sequence-parallel"]
     default = plan_json(*args)
     calibrated = plan_json(*args, "--calibration", str(path))
