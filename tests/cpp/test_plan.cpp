@@ -124,9 +124,10 @@ TEST_CASE("Narayanan Table 1: TFLOP/s per GPU within 15% and the published layou
   for (const auto& row : kTable1) {
     INFO(row.billions << "B, published TP=" << row.tp << " PP=" << row.pp);
     const PlanRequest r = table1_request(row);
-    CHECK(narayanan_params(r.model) == Approx(row.billions * 1e9).epsilon(0.01));
+    // The paper's column is rounded (1.7B is 1.65B by its own formula): within 3%.
+    CHECK(narayanan_params(r.model) == Approx(row.billions * 1e9).epsilon(0.03));
     CHECK(static_cast<double>(total_params(r.model)) == Approx(narayanan_params(r.model)).epsilon(1e-3));
-    const PlanResult res = plan(r);
+    const PlanResult res = plan::plan(r);
     // Rank distinct (TP, PP) pairs by their best layout (micro-batch is free).
     std::vector<std::pair<int64_t, int64_t>> order;
     double predicted = 0;
@@ -150,7 +151,7 @@ TEST_CASE("Layouts whose sizes do not multiply to the GPU count are rejected", "
   r.model = preset("megatron-1t");
   r.cluster.nodes = 128;  // 1024 GPUs
   r.tp = 8, r.pp = 64, r.dp = 512;
-  CHECK_THROWS_WITH(plan(r), Catch::Contains("TP*PP*DP = 8*64*512 = 262144 does not equal the 1024 GPUs"));
+  CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("TP*PP*DP = 8*64*512 = 262144 does not equal the 1024 GPUs"));
   CHECK_THROWS_WITH(evaluate(r, Layout{8, 64, 512}), Catch::Contains("does not equal the 1024 GPUs"));
   CHECK(layout_error(r.model, Layout{8, 64, 2}, 1024, 1024).empty());
   CHECK_THAT(layout_error(r.model, Layout{8, 3, 1}, 24, 24), Catch::Contains("does not divide the 128 layers"));
@@ -161,7 +162,7 @@ TEST_CASE("A model larger than all memory says what is short and by how much", "
   r.model = preset("megatron-1t");
   r.cluster.nodes = 1;  // 8 x 80 GB for 1T parameters
   r.global_batch = 8;
-  CHECK_THROWS_WITH(plan(r), Catch::Contains("no layout fits in 80.00 GB per GPU") && Catch::Contains("short by") &&
+  CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("no layout fits in 80.00 GB per GPU") && Catch::Contains("short by") &&
                                  Catch::Contains("in all 8 GPUs"));
 }
 
@@ -171,7 +172,7 @@ TEST_CASE("The planner ranks fitting layouts and honours fixed knobs", "[plan]")
   r.cluster.nodes = 1;
   r.global_batch = 64;
   r.zero_stage = 1;
-  const PlanResult res = plan(r);
+  const PlanResult res = plan::plan(r);
   REQUIRE(res.ranked.size() >= 2);
   for (size_t i = 1; i < res.ranked.size(); ++i) CHECK(res.ranked[i - 1].time.step <= res.ranked[i].time.step);
   for (const auto& c : res.ranked) {
