@@ -52,3 +52,8 @@
 #include "megatorch/ckpt/hf_convert.h"
 #include "megatorch/ckpt/safetensors.h"
 #include "megatorch/ckpt/sharded_entry.h"
+#include "megatorch/plan/calibrate.h"
+#include "megatorch/plan/cost_model.h"
+#include "megatorch/plan/memory.h"
+#include "megatorch/plan/model_spec.h"
+#include "megatorch/plan/planner.h"

@@ -1,0 +1,194 @@
+#include "megatorch/plan/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include "megatorch/check.h"
+
+namespace megatorch::plan {
+
+nlohmann::json to_json(const Calibration& c) {
+  return {{"matmul_efficiency", c.matmul_efficiency},
+          {"matmul_half_width", c.matmul_half_width},
+          {"memory_bound_passes", c.memory_bound_passes},
+          {"intra_node_efficiency", c.intra_node_efficiency},
+          {"inter_node_efficiency", c.inter_node_efficiency},
+          {"p2p_latency_s", c.p2p_latency_s},
+          {"source", c.source}};
+}
+
+Calibration calibration_from_json(const nlohmann::json& j) {
+  Calibration c;
+  auto get = [&j](const char* key, double& out) {
+    MEGATORCH_CHECK(j.contains(key) && j.at(key).is_number(), "calibration: expected a number field '", key,
+                    "', got ", j.contains(key) ? j.at(key).dump() : std::string("nothing"),
+                    "; write the file with megatorch-plan --calibrate");
+    out = j.at(key).get<double>();
+    MEGATORCH_CHECK(out >= 0 && std::isfinite(out), "calibration: expected '", key, "' >= 0, got ", out);
+  };
+  get("matmul_efficiency", c.matmul_efficiency);
+  get("matmul_half_width", c.matmul_half_width);
+  get("memory_bound_passes", c.memory_bound_passes);
+  get("intra_node_efficiency", c.intra_node_efficiency);
+  get("inter_node_efficiency", c.inter_node_efficiency);
+  get("p2p_latency_s", c.p2p_latency_s);
+  MEGATORCH_CHECK(c.matmul_efficiency > 0 && c.intra_node_efficiency > 0 && c.inter_node_efficiency > 0,
+                  "calibration: efficiencies must be > 0, got matmul ", c.matmul_efficiency, ", intra ",
+                  c.intra_node_efficiency, ", inter ", c.inter_node_efficiency);
+  c.source = j.value("source", std::string("file"));
+  return c;
+}
+
+Calibration load_calibration(const std::string& path) {
+  std::ifstream in(path);
+  MEGATORCH_CHECK(in.good(), "calibration: cannot read '", path, "'; write one with megatorch-plan --calibrate ", path);
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    MEGATORCH_FAIL("calibration: '", path, "' is not JSON (", e.what(), ")");
+  }
+  Calibration c = calibration_from_json(j);
+  if (!j.contains("source")) c.source = path;
+  return c;
+}
+
+void save_calibration(const Calibration& c, const std::string& path) {
+  std::ofstream out(path);
+  MEGATORCH_CHECK(out.good(), "calibration: cannot write '", path, "'");
+  out << to_json(c).dump(2) << "\n";
+}
+
+namespace {
+
+// Ring collectives: an all-reduce moves 2 (n-1)/n of the buffer through every rank's link,
+// an all-gather + reduce-scatter pair the same.
+double ring_allreduce_s(double bytes, int64_t n, double bytes_per_s) {
+  return n <= 1 ? 0.0 : 2.0 * (n - 1) / n * bytes / bytes_per_s;
+}
+double intra_bw(const Cluster& c, const Calibration& k) { return c.intra_node_gbps * 1e9 / 2 * k.intra_node_efficiency; }
+double inter_bw(const Cluster& c, const Calibration& k) {
+  return c.inter_node_gbps * 1e9 / c.gpus_per_node * k.inter_node_efficiency;
+}
+
+struct LayerCost {
+  double compute_fwd = 0;    // GEMMs + memory-bound work of one forward
+  double selective = 0;      // the attention core again (selective recompute)
+  double tp_fwd = 0;         // the forward's two TP collectives (backward has two more)
+};
+
+LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
+  const double t = static_cast<double>(l.tp), peak = c.peak_tflops * 1e12;
+  const double eff = k.matmul_efficiency_at(static_cast<double>(m.hidden_size) / t);
+  const LayerFlops f = layer_forward_flops(m, l.micro_batch);
+  ActivationOptions paper;
+  paper.activation_bytes = static_cast<double>(activation_dtype_bytes(p));
+  // Memory-bound kernels (norms, dropout, softmax, activation, residual) read and write about
+  // what the layer saves for backward: the Korthikanti count, a few passes over HBM.
+  const double traffic = activation_bytes_per_layer(m, l.micro_batch, l.tp, l.sequence_parallel, Recompute::kNone, paper);
+  const double hbm = c.memory_bandwidth_gbps * 1e9;
+  const double A = static_cast<double>(m.num_attention_heads) * m.seq_length * m.seq_length * l.micro_batch;
+  LayerCost lc;
+  lc.compute_fwd = f.total() / t / (peak * eff) + k.memory_bound_passes * traffic / hbm;
+  lc.selective = f.attention / t / (peak * eff) + k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
+  const double act = static_cast<double>(l.micro_batch) * m.seq_length * m.hidden_size * paper.activation_bytes;
+  const double bw = l.tp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
+  lc.tp_fwd = 2 * ring_allreduce_s(act, l.tp, bw);
+  return lc;
+}
+
+struct StageCost {
+  double compute = 0, recompute = 0, tp = 0, p2p = 0;  // per micro-batch, slowest stage
+  double chunk_forward = 0, chunk_backward = 0;
+};
+
+StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
+  const LayerCost lc = layer_cost(m, l, c, k, p);
+  const double layers_per_chunk = static_cast<double>(m.num_layers / (l.pp * l.vpp));
+  const double v = static_cast<double>(l.vpp), t = static_cast<double>(l.tp);
+  const double peak = c.peak_tflops * 1e12;
+  // The last stage also runs the output head (its GEMM is [b s, h] x [h, V/t]).
+  const double head = head_forward_flops(m, l.micro_batch) * padded_vocab(m, l.tp) / m.vocab_size / t /
+                      (peak * k.matmul_efficiency_at(static_cast<double>(m.hidden_size)));
+  double rec = 0, rec_tp = 0;
+  if (l.recompute == Recompute::kFull) rec = lc.compute_fwd, rec_tp = lc.tp_fwd;
+  if (l.recompute == Recompute::kSelective) rec = lc.selective;
+  double p2p = 0;
+  if (l.pp > 1) {
+    // Megatron's scatter-gather: each TP rank sends its 1/t of the [s, b, h] activation.
+    const double bytes = static_cast<double>(l.micro_batch) * m.seq_length * m.hidden_size *
+                         activation_dtype_bytes(p) / t;
+    const bool same_node = l.tp * l.dp < c.gpus_per_node;  // neighbours are tp*dp ranks apart
+    p2p = bytes / (same_node ? intra_bw(c, k) : inter_bw(c, k)) + k.p2p_latency_s;
+  }
+  StageCost s;
+  s.chunk_forward = layers_per_chunk * (lc.compute_fwd + lc.tp_fwd) + head / v + p2p;
+  s.chunk_backward = layers_per_chunk * (2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp) + 2 * head / v + p2p;
+  const double layers = layers_per_chunk * v;
+  s.compute = layers * (3 * lc.compute_fwd + rec) + 3 * head;
+  s.recompute = layers * rec;
+  s.tp = layers * (2 * lc.tp_fwd + rec_tp);
+  s.p2p = 2 * v * p2p;
+  return s;
+}
+
+}  // namespace
+
+PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k,
+                             const CostOptions& o) {
+  const StageCost s = stage_cost(m, l, c, k, o.precision);
+  PipelineCosts pc;
+  pc.chunk_forward = s.chunk_forward, pc.chunk_backward = s.chunk_backward;
+  // Integer ticks: a forward is 200 ticks, the backward its ratio to it (0.5% resolution).
+  constexpr int64_t kForwardTicks = 200;
+  pc.tick = s.chunk_forward / kForwardTicks;
+  pc.options.forward_cost = kForwardTicks;
+  pc.options.backward_cost = std::max<int64_t>(1, std::llround(s.chunk_backward / pc.tick));
+  pc.options.p2p_cost = 0;  // transfers are blocking: they are inside the chunk costs
+  pc.options.record_timeline = false;
+  return pc;
+}
+
+TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_batch, const Cluster& c,
+                           const Calibration& k, const CostOptions& o) {
+  const PipelineCosts pc = pipeline_costs(m, l, c, k, o);
+  const auto kind = l.vpp > 1 ? pipeline::ScheduleKind::kInterleaved : pipeline::ScheduleKind::kOneFOneB;
+  const auto sim = pipeline::simulate_schedule(kind, l.pp, l.num_microbatches(global_batch), l.vpp, pc.options);
+  return predict_time(m, l, global_batch, c, k, o, pc, sim);
+}
+
+TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_batch, const Cluster& c,
+                           const Calibration& k, const CostOptions& o, const PipelineCosts& pc,
+                           const pipeline::SimulationResult& sim) {
+  validate_layout(m, l, c.gpus(), global_batch);
+  const StageCost s = stage_cost(m, l, c, k, o.precision);
+  const double mb = static_cast<double>(l.num_microbatches(global_batch));
+  TimeBreakdown t;
+  t.compute = mb * s.compute;
+  t.recompute = mb * s.recompute;
+  t.tp_comm = mb * s.tp;
+  t.p2p = mb * s.p2p;
+  // The simulator ran the slowest stage's costs on every stage, in ticks; its bubble (idle /
+  // busy) turns the busy seconds into the makespan.
+  const pipeline::RankReport& first = sim.ranks.front();
+  t.bubble_fraction = first.bubble.value();
+  const double busy = mb * l.vpp * (pc.chunk_forward + pc.chunk_backward);
+  t.bubble = busy * t.bubble_fraction;
+  t.pipeline = busy + t.bubble;
+  t.peak_inflight_chunks = first.peak_inflight;
+  // Gradient reduction after the last backward: reduce-scatter + all-gather (or all-reduce)
+  // of the stage's gradients, 1.5x with ZeRO-3's parameter gathers (REFERENCE.md).
+  int64_t params = 0;
+  for (int64_t r : {int64_t{0}, l.pp - 1}) params = std::max(params, params_per_rank(m, l.tp, l.pp, r));
+  const double grad_bytes = static_cast<double>(params) * precision_bytes(o.precision).grad;
+  const double bw = l.tp * l.dp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
+  t.dp_comm = ring_allreduce_s(grad_bytes, l.dp, bw) * (l.zero_stage == 3 ? 1.5 : 1.0);
+  t.step = t.pipeline + t.dp_comm;
+  const double gpus = static_cast<double>(l.gpus());
+  t.tflops_per_gpu = flops_per_iteration(m, global_batch, l.recompute) / t.step / gpus / 1e12;
+  t.mfu = flops_per_iteration(m, global_batch, Recompute::kNone) / t.step / gpus / (c.peak_tflops * 1e12);
+  return t;
+}
+
+}  // namespace megatorch::plan

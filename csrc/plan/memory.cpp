@@ -1,0 +1,109 @@
+#include "megatorch/plan/memory.h"
+
+#include <algorithm>
+
+#include "megatorch/check.h"
+#include "megatorch/pipeline/simulator.h"
+
+namespace megatorch::plan {
+
+PrecisionBytes precision_bytes(Precision p) {
+  switch (p) {
+    case Precision::kBf16: return {2, 4, 4, 0, 8};   // grads accumulate in fp32: they are the master grads
+    case Precision::kFp16: return {2, 2, 4, 4, 8};   // fp16 grads and their fp32 copy
+    case Precision::kFp32: return {4, 4, 0, 0, 8};   // the params are the master params
+    case Precision::kMixed: return {2, 2, 4, 0, 8};  // ZeRO: K = 12 (master, momentum, variance)
+  }
+  MEGATORCH_FAIL("unknown precision");
+}
+
+StateBytes zero_state_bytes(double n, int64_t dp, int stage, Precision precision) {
+  MEGATORCH_CHECK(dp >= 1 && stage >= 0 && stage <= 3, "zero_state_bytes: expected dp >= 1 and stage 0..3, got dp=",
+                  dp, " stage=", stage);
+  const PrecisionBytes b = precision_bytes(precision);
+  const double d = static_cast<double>(dp);
+  StateBytes s;
+  s.param_bytes = n * b.param / (stage >= 3 ? d : 1);
+  s.grad_bytes = n * b.grad / (stage >= 2 ? d : 1);
+  s.master_param_bytes = n * b.master_param / (stage >= 1 ? d : 1);
+  s.master_grad_bytes = n * b.master_grad / (stage >= 1 ? d : 1);
+  s.optimizer_state_bytes = n * b.optimizer_state / (stage >= 1 ? d : 1);
+  return s;
+}
+
+StateBytes zero_bytes_per_rank(const ModelSpec& m, const Layout& l, Precision precision, int64_t pp_rank) {
+  return zero_state_bytes(static_cast<double>(params_per_rank(m, l.tp, l.pp, pp_rank)), l.dp, l.zero_stage, precision);
+}
+
+double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
+                                  const ActivationOptions& o) {
+  const double s = m.seq_length, h = m.hidden_size, t = static_cast<double>(tp);
+  const double u = s * b * h;                                        // one [s, b, h] tensor, elements
+  const double A = static_cast<double>(m.num_attention_heads) * s * s * b;  // one [b, a, s, s] tensor
+  const double outside = sp ? 1 / t : 1.0;  // norm/dropout regions: split by SP
+  const double E = o.activation_bytes, M = o.mask_bytes;
+  if (r == Recompute::kFull) return E * u * outside;  // the layer input only
+  // Outside the TP region: the two norm inputs, the inputs of QKV and fc1 (4u) and the two
+  // hidden dropout masks (2u).
+  double bytes = (4 * E + 2 * M) * u * outside;
+  // Inside (divided by t): Q, K, V and the output projection's input (4u for MHA), fc1's
+  // output and the activation's output (8u for GeLU at 4h; SwiGLU keeps gate, up and their
+  // product).
+  const double qkv = (m.num_attention_heads + 2.0 * m.query_groups()) * m.head_dim() / h;
+  const double mlp = (m.swiglu ? 3.0 : 2.0) * m.ffn() / h;
+  bytes += E * (qkv + 1 + mlp) * u / t;
+  // The core attention: softmax output and dropout output (16-bit) and the dropout mask.
+  if (r == Recompute::kNone) bytes += (2 * E + M) * A / t;
+  if (o.megatorch_extras) {
+    // L: at::layer_norm's fp32 mean and 1/std per token (RMSNorm: 1/rms only), two norms.
+    bytes += 2 * (m.rms_norm ? 1 : 2) * 4 * s * b * outside;
+    // G: under SP, QKV and fc1 save their all-gathered input instead of the shard.
+    if (sp) bytes += 2 * E * u * (1 - 1 / t);
+  }
+  if (o.math_attention && r == Recompute::kNone) bytes += 2 * E * u / t;  // Q: scaled Q and K copies
+  return bytes;
+}
+
+namespace {
+MemoryBreakdown stage_memory(const ModelSpec& m, const Layout& l, const MemoryOptions& o, int64_t stage, const pipeline::SimulationResult& sim) {
+  MemoryBreakdown mem;
+  mem.stage = stage;
+  mem.states = zero_bytes_per_rank(m, l, o.precision, stage);
+  const double per_layer =
+      activation_bytes_per_layer(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o.activations);
+  // peak_inflight counts chunk activations: a chunk holds L / (pp * vpp) layers.
+  const double chunks = static_cast<double>(sim.ranks[stage].peak_inflight);
+  mem.inflight_microbatches = chunks / l.vpp;
+  mem.activations = per_layer * chunks * static_cast<double>(m.num_layers / (l.pp * l.vpp));
+  if (l.recompute != Recompute::kNone) {
+    // Backward rebuilds one layer's activations (full) or its attention core (selective).
+    const double full = activation_bytes_per_layer(m, l.micro_batch, l.tp, l.sequence_parallel, Recompute::kNone,
+                                                   o.activations);
+    mem.recompute_working = full - per_layer;
+  }
+  if (stage == l.pp - 1)
+    mem.logits = 4.0 * l.micro_batch * m.seq_length * static_cast<double>(padded_vocab(m, l.tp) / l.tp);
+  mem.reserved = o.reserved_bytes;
+  return mem;
+}
+}  // namespace
+
+MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, int64_t global_batch, const MemoryOptions& o) {
+  const int64_t mb = l.num_microbatches(global_batch);
+  pipeline::SimulatorOptions costs;
+  costs.record_timeline = false;
+  const auto kind = l.vpp > 1 ? pipeline::ScheduleKind::kInterleaved : pipeline::ScheduleKind::kOneFOneB;
+  return predict_memory(m, l, pipeline::simulate_schedule(kind, l.pp, mb, l.vpp, costs), o);
+}
+
+MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, const pipeline::SimulationResult& sim,
+                               const MemoryOptions& o) {
+  MEGATORCH_CHECK(static_cast<int64_t>(sim.ranks.size()) == l.pp, "predict_memory: expected a simulation of ", l.pp,
+                  " stages, got ", sim.ranks.size());
+  MemoryBreakdown first = stage_memory(m, l, o, 0, sim);
+  if (l.pp == 1) return first;
+  MemoryBreakdown last = stage_memory(m, l, o, l.pp - 1, sim);
+  return last.total() > first.total() ? last : first;
+}
+
+}  // namespace megatorch::plan

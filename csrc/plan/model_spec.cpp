@@ -1,0 +1,197 @@
+#include "megatorch/plan/model_spec.h"
+
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+
+#include "megatorch/check.h"
+
+namespace megatorch::plan {
+
+int64_t ModelSpec::ffn() const {
+  if (ffn_hidden_size > 0) return ffn_hidden_size;
+  if (swiglu) return (8 * hidden_size / 3 + 63) / 64 * 64;  // same rule as TransformerConfig::ffn
+  return 4 * hidden_size;
+}
+
+void ModelSpec::validate() const {
+  MEGATORCH_CHECK(num_layers >= 1 && hidden_size >= 1 && num_attention_heads >= 1 && vocab_size >= 1 &&
+                      seq_length >= 1 && make_vocab_size_divisible_by >= 1,
+                  "model '", name, "': expected positive num_layers, hidden_size, num_attention_heads, vocab_size, "
+                  "seq_length, got ", num_layers, ", ", hidden_size, ", ", num_attention_heads, ", ", vocab_size, ", ",
+                  seq_length);
+  MEGATORCH_CHECK(hidden_size % num_attention_heads == 0, "model '", name, "': expected hidden_size (", hidden_size,
+                  ") divisible by num_attention_heads (", num_attention_heads, ")");
+  MEGATORCH_CHECK(num_attention_heads % query_groups() == 0, "model '", name, "': expected num_attention_heads (",
+                  num_attention_heads, ") divisible by num_query_groups (", query_groups(), ")");
+}
+
+ModelSpec preset(const std::string& name) {
+  ModelSpec m;
+  m.name = name;
+  if (name == "gpt3-175b") {  // Brown et al. 2020 with Megatron's padded GPT-2 vocabulary
+    m.num_layers = 96, m.hidden_size = 12288, m.num_attention_heads = 96, m.vocab_size = 50257, m.seq_length = 2048;
+  } else if (name == "megatron-1t") {  // Narayanan et al. 2021, Table 1's last row
+    m.num_layers = 128, m.hidden_size = 25600, m.num_attention_heads = 160, m.vocab_size = 51200, m.seq_length = 2048;
+  } else if (name == "llama3-8b" || name == "llama3-70b") {
+    const bool big = name == "llama3-70b";
+    m.num_layers = big ? 80 : 32, m.hidden_size = big ? 8192 : 4096, m.num_attention_heads = big ? 64 : 32;
+    m.num_query_groups = 8, m.ffn_hidden_size = big ? 28672 : 14336, m.vocab_size = 128256, m.seq_length = 8192;
+    m.swiglu = m.rms_norm = true, m.learned_positions = m.add_bias_linear = m.tie_embeddings = false;
+  } else {
+    std::string names;
+    for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    MEGATORCH_FAIL("unknown model preset '", name, "'; expected one of ", names,
+                   ", or give the shape with --num-layers, --hidden-size, --num-attention-heads, ...");
+  }
+  return m;
+}
+
+std::vector<std::string> preset_names() { return {"gpt3-175b", "megatron-1t", "llama3-8b", "llama3-70b"}; }
+
+ModelSpec from_transformer_config(const transformer::TransformerConfig& c) {
+  ModelSpec m;
+  m.num_layers = c.num_layers(), m.hidden_size = c.hidden_size(), m.num_attention_heads = c.num_attention_heads();
+  m.num_query_groups = c.num_query_groups(), m.ffn_hidden_size = c.ffn(), m.vocab_size = c.vocab_size();
+  m.make_vocab_size_divisible_by = c.make_vocab_size_divisible_by(), m.seq_length = c.seq_length();
+  m.swiglu = c.activation() == transformer::Activation::kSwiGLU;
+  m.rms_norm = c.normalization() == transformer::Normalization::kRMSNorm;
+  m.learned_positions = c.position_embedding_type() == transformer::Positions::kLearned;
+  m.add_bias_linear = c.add_bias_linear(), m.tie_embeddings = c.tie_embeddings();
+  return m;
+}
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+    case Precision::kFp32: return "fp32";
+    case Precision::kMixed: return "mixed";
+  }
+  return "?";
+}
+
+Precision parse_precision(const std::string& s) {
+  for (Precision p : {Precision::kBf16, Precision::kFp16, Precision::kFp32, Precision::kMixed})
+    if (s == to_string(p)) return p;
+  MEGATORCH_FAIL("unknown precision '", s, "'; expected bf16, fp16, fp32 or mixed (the ZeRO paper's 16 bytes)");
+}
+
+int64_t activation_dtype_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
+
+std::string Layout::str() const {
+  std::ostringstream os;
+  os << "TP=" << tp << " PP=" << pp << " DP=" << dp;
+  if (vpp > 1) os << " VP=" << vpp;
+  os << " ZeRO-" << zero_stage << " mb=" << micro_batch << " recompute=" << transformer::to_string(recompute);
+  if (sequence_parallel) os << " SP";
+  return os.str();
+}
+
+std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int64_t global_batch) {
+  std::ostringstream os;
+  if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.vpp < 1 || l.micro_batch < 1)
+    os << "expected TP, PP, DP, VP and the micro-batch size >= 1, got " << l.str();
+  else if (l.gpus() != gpus)
+    os << "TP*PP*DP = " << l.tp << "*" << l.pp << "*" << l.dp << " = " << l.gpus() << " does not equal the " << gpus
+       << " GPUs of the cluster; pick sizes whose product is " << gpus;
+  else if (l.zero_stage < 0 || l.zero_stage > 3)
+    os << "expected a ZeRO stage 0..3, got " << l.zero_stage;
+  else if (m.num_attention_heads % l.tp || m.query_groups() % l.tp || m.ffn() % l.tp)
+    os << "TP=" << l.tp << " does not divide the attention heads (" << m.num_attention_heads << "), query groups ("
+       << m.query_groups() << ") and FFN size (" << m.ffn() << ")";
+  else if (l.sequence_parallel && (l.tp == 1 || m.seq_length % l.tp))
+    os << "sequence parallelism needs TP > 1 dividing the sequence length (" << m.seq_length << "), got TP=" << l.tp;
+  else if (m.num_layers % (l.pp * l.vpp))
+    os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
+  else if (l.vpp > 1 && l.pp == 1)
+    os << "virtual pipeline stages need PP > 1";
+  else if (global_batch % (l.micro_batch * l.dp))
+    os << "the global batch " << global_batch << " is not divisible by micro-batch * DP = " << l.micro_batch << "*"
+       << l.dp;
+  else if (l.vpp > 1 && l.num_microbatches(global_batch) % l.pp)
+    os << "the interleaved schedule needs the micro-batches per step (" << l.num_microbatches(global_batch)
+       << ") to be a multiple of PP (" << l.pp << ")";
+  return os.str();
+}
+
+void validate_layout(const ModelSpec& m, const Layout& l, int64_t gpus, int64_t global_batch) {
+  const std::string e = layout_error(m, l, gpus, global_batch);
+  MEGATORCH_CHECK(e.empty(), "layout ", l.str(), " is not valid: ", e);
+}
+
+int64_t padded_vocab(const ModelSpec& m, int64_t tp) {
+  const int64_t multiple = tp * m.make_vocab_size_divisible_by;
+  return (m.vocab_size + multiple - 1) / multiple * multiple;
+}
+
+namespace {
+struct LayerShapes {
+  int64_t column_weights, column_biases, row_weights, row_biases, norms;
+};
+LayerShapes layer_shapes(const ModelSpec& m) {
+  const int64_t h = m.hidden_size, qkv = (m.num_attention_heads + 2 * m.query_groups()) * m.head_dim();
+  const int64_t fc1 = m.ffn() * (m.swiglu ? 2 : 1);
+  const int64_t bias = m.add_bias_linear ? 1 : 0;
+  const int64_t norm = (m.rms_norm || !m.add_bias_linear) ? h : 2 * h;  // LayerNorm's beta follows the biases
+  return {h * qkv + h * fc1, bias * (qkv + fc1), m.num_attention_heads * m.head_dim() * h + m.ffn() * h, bias * 2 * h,
+          2 * norm};
+}
+int64_t final_norm_params(const ModelSpec& m) { return (m.rms_norm || !m.add_bias_linear) ? m.hidden_size : 2 * m.hidden_size; }
+}  // namespace
+
+int64_t layer_params(const ModelSpec& m) { return layer_params_per_tp_rank(m, 1); }
+
+int64_t layer_params_per_tp_rank(const ModelSpec& m, int64_t tp) {
+  const LayerShapes s = layer_shapes(m);
+  return (s.column_weights + s.column_biases + s.row_weights) / tp + s.row_biases + s.norms;
+}
+
+int64_t total_params(const ModelSpec& m) {
+  const int64_t v = padded_vocab(m, 1), h = m.hidden_size;
+  return m.num_layers * layer_params(m) + v * h * (m.tie_embeddings ? 1 : 2) + (m.learned_positions ? m.seq_length * h : 0) +
+         final_norm_params(m);
+}
+
+int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank) {
+  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && pp_rank >= 0 && pp_rank < pp && m.num_layers % pp == 0,
+                  "params_per_rank: expected 0 <= pp_rank < pp and pp dividing the layers, got tp=", tp, " pp=", pp,
+                  " pp_rank=", pp_rank, " layers=", m.num_layers);
+  const int64_t h = m.hidden_size, vocab_shard = padded_vocab(m, tp) / tp * h;
+  int64_t n = m.num_layers / pp * layer_params_per_tp_rank(m, tp);
+  if (pp_rank == 0) n += vocab_shard + (m.learned_positions ? m.seq_length * h : 0);
+  if (pp_rank == pp - 1) {
+    n += final_norm_params(m);
+    if (!m.tie_embeddings || pp > 1) n += vocab_shard;  // untied head, or the tied copy on the last stage
+  }
+  return n;
+}
+
+double narayanan_params(const ModelSpec& m) {
+  const double L = m.num_layers, h = m.hidden_size, V = m.vocab_size, s = m.seq_length;
+  return 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h));
+}
+
+LayerFlops layer_forward_flops(const ModelSpec& m, int64_t b) {
+  const double tokens = static_cast<double>(b) * m.seq_length, h = m.hidden_size;
+  const double qkv = (m.num_attention_heads + 2.0 * m.query_groups()) * m.head_dim();
+  const double ffn = m.ffn(), attn_width = static_cast<double>(m.num_attention_heads) * m.head_dim();
+  LayerFlops f;
+  f.weights = 2 * tokens * (h * qkv + attn_width * h + h * ffn * (m.swiglu ? 2 : 1) + ffn * h);
+  f.attention = 2 * 2 * tokens * m.seq_length * attn_width;  // Q K^T and P V over the full (non-causal) square
+  return f;
+}
+
+double head_forward_flops(const ModelSpec& m, int64_t b) {
+  return 2.0 * b * m.seq_length * m.hidden_size * static_cast<double>(m.vocab_size);
+}
+
+double flops_per_iteration(const ModelSpec& m, int64_t global_batch, Recompute r) {
+  const LayerFlops f = layer_forward_flops(m, global_batch);
+  double layer = 3 * f.total();  // forward + backward (twice the forward)
+  if (r == Recompute::kFull) layer += f.total();
+  if (r == Recompute::kSelective) layer += f.attention;
+  return m.num_layers * layer + 3 * head_forward_flops(m, global_batch);
+}
+
+}  // namespace megatorch::plan

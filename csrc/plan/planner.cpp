@@ -1,0 +1,187 @@
+#include "megatorch/plan/planner.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "megatorch/check.h"
+
+namespace megatorch::plan {
+
+MemoryOptions memory_options(const PlanRequest& r) {
+  MemoryOptions o;
+  o.precision = r.precision;
+  o.activations = r.activations;
+  o.activations.activation_bytes = static_cast<double>(activation_dtype_bytes(r.precision));
+  o.reserved_bytes = r.reserved_gb * 1e9;
+  return o;
+}
+
+namespace {
+
+using SimKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+const pipeline::SimulationResult& simulate_cached(std::map<SimKey, pipeline::SimulationResult>& cache,
+                                                  const Layout& l, int64_t m, const PipelineCosts& pc) {
+  const SimKey key{l.pp, m, l.vpp, pc.options.forward_cost, pc.options.backward_cost};
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const auto kind = l.vpp > 1 ? pipeline::ScheduleKind::kInterleaved : pipeline::ScheduleKind::kOneFOneB;
+  return cache.emplace(key, pipeline::simulate_schedule(kind, l.pp, m, l.vpp, pc.options)).first->second;
+}
+
+Candidate evaluate_cached(const PlanRequest& r, const Layout& l, std::map<SimKey, pipeline::SimulationResult>& cache) {
+  validate_layout(r.model, l, r.cluster.gpus(), r.global_batch);
+  CostOptions co;
+  co.precision = r.precision;
+  const PipelineCosts pc = pipeline_costs(r.model, l, r.cluster, r.calibration, co);
+  const auto& sim = simulate_cached(cache, l, l.num_microbatches(r.global_batch), pc);
+  Candidate c;
+  c.layout = l;
+  c.memory = predict_memory(r.model, l, sim, memory_options(r));
+  c.time = predict_time(r.model, l, r.global_batch, r.cluster, r.calibration, co, pc, sim);
+  return c;
+}
+
+std::vector<int64_t> choices(const std::optional<int64_t>& fixed, std::vector<int64_t> all) {
+  return fixed ? std::vector<int64_t>{*fixed} : all;
+}
+
+std::string gb(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  return buf;
+}
+
+}  // namespace
+
+Candidate evaluate(const PlanRequest& r, const Layout& l) {
+  std::map<SimKey, pipeline::SimulationResult> cache;
+  return evaluate_cached(r, l, cache);
+}
+
+PlanResult plan(const PlanRequest& r) {
+  r.model.validate();
+  const Cluster& c = r.cluster;
+  const int64_t n = c.gpus();
+  MEGATORCH_CHECK(n >= 1 && r.global_batch >= 1, "expected at least one GPU and a global batch >= 1, got ", n, " GPUs and ",
+                  r.global_batch);
+  if (r.tp && r.pp && r.dp) {
+    const int64_t prod = *r.tp * *r.pp * *r.dp;
+    MEGATORCH_CHECK(prod == n, "TP*PP*DP = ", *r.tp, "*", *r.pp, "*", *r.dp, " = ", prod, " does not equal the ", n,
+                    " GPUs (", c.nodes, " nodes x ", c.gpus_per_node, "); fix at most two of them or pick sizes whose "
+                    "product is ", n);
+  }
+  std::vector<int64_t> tps, pps, vpps, mbs;
+  for (int64_t t = 1; t <= std::min(c.gpus_per_node, n); ++t)
+    if (c.gpus_per_node % t == 0) tps.push_back(t);
+  for (int64_t p = 1; p <= r.model.num_layers; ++p)
+    if (r.model.num_layers % p == 0 && n % p == 0) pps.push_back(p);
+  for (int64_t v = 1; v <= r.max_vpp; ++v) vpps.push_back(v);
+  for (int64_t b = 1; b <= r.max_micro_batch; b *= 2) mbs.push_back(b);
+  const std::vector<int> zeros = r.zero_stage ? std::vector<int>{*r.zero_stage} : std::vector<int>{0, 1, 2, 3};
+  const std::vector<Recompute> recomputes =
+      r.recompute ? std::vector<Recompute>{*r.recompute}
+                  : std::vector<Recompute>{Recompute::kNone, Recompute::kSelective, Recompute::kFull};
+
+  PlanResult result;
+  std::map<SimKey, pipeline::SimulationResult> cache;
+  const MemoryOptions mo = memory_options(r);
+  const double capacity = c.memory_bytes();
+  std::optional<Layout> smallest;  // least memory among valid layouts, for the error message
+  double smallest_bound = 0;
+  for (int64_t tp : choices(r.tp, tps))
+    for (int64_t pp : choices(r.pp, pps)) {
+      if (n % (tp * pp)) {
+        if (result.invalid_examples.size() < 3 && (r.tp || r.pp))
+          result.invalid_examples.push_back("TP*PP = " + std::to_string(tp * pp) + " does not divide " +
+                                            std::to_string(n) + " GPUs");
+        continue;
+      }
+      const int64_t dp = n / (tp * pp);
+      if (r.dp && *r.dp != dp) {
+        if (result.invalid_examples.size() < 3)
+          result.invalid_examples.push_back("TP=" + std::to_string(tp) + " PP=" + std::to_string(pp) + " leaves DP=" +
+                                            std::to_string(dp) + ", not " + std::to_string(*r.dp));
+        continue;
+      }
+      for (int64_t v : choices(r.vpp, vpps))
+        for (int64_t b : choices(r.micro_batch, mbs))
+          for (int zero : zeros)
+            for (Recompute rc : recomputes)
+              for (bool sp : {false, true}) {
+                if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
+                Layout l{tp, pp, dp, v, zero, b, rc, sp};
+                const std::string err = layout_error(r.model, l, n, r.global_batch);
+                if (!err.empty()) {
+                  if (result.invalid_examples.size() < 3) result.invalid_examples.push_back(l.str() + ": " + err);
+                  continue;
+                }
+                ++result.considered;
+                // Screen before simulating: the exact static bytes plus the 1F1B in-flight
+                // activations are a lower bound (interleaving only adds to them).
+                const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
+                                     activation_bytes_per_layer(r.model, b, tp, sp, rc, mo.activations) *
+                                         static_cast<double>(r.model.num_layers / pp) *
+                                         static_cast<double>(std::min<int64_t>(pp, l.num_microbatches(r.global_batch)));
+                if (bound > capacity) {
+                  ++result.too_big;
+                  if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
+                  continue;
+                }
+                Candidate cand = evaluate_cached(r, l, cache);
+                if (cand.memory.total() > capacity) {
+                  ++result.too_big;
+                  if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
+                  continue;
+                }
+                result.ranked.push_back(std::move(cand));
+              }
+    }
+  if (result.considered == 0) {
+    std::string why;
+    for (const auto& e : result.invalid_examples) why += "\n  " + e;
+    MEGATORCH_FAIL("no valid layout of ", r.model.name, " on ", n, " GPUs with the fixed settings; for example:", why);
+  }
+  if (result.ranked.empty()) {
+    const double need = evaluate_cached(r, *smallest, cache).memory.total(), short_by = need - capacity;
+    const double whole = static_cast<double>(total_params(r.model)) * precision_bytes(r.precision).total();
+    MEGATORCH_FAIL("no layout fits in ", gb(capacity), " per GPU: the smallest (", smallest->str(), ") needs ",
+                   gb(need), " per GPU, short by ", gb(short_by), " per GPU (", gb(short_by * n), " over ", n,
+                   " GPUs). The model's weights and optimizer states alone are ", gb(whole), " (",
+                   precision_bytes(r.precision).total(), " bytes x ", total_params(r.model), " parameters) against ",
+                   gb(capacity * n), " in all ", n, " GPUs. Add GPUs (--nodes), memory (--gpu-memory-gb), ZeRO, "
+                   "recomputation or a smaller micro-batch.");
+  }
+  std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.time.step != b.time.step) return a.time.step < b.time.step;
+    return a.memory.total() < b.memory.total();
+  });
+  return result;
+}
+
+std::string why_lost(const Candidate& c, const Candidate& best) {
+  const TimeBreakdown &a = c.time, &b = best.time;
+  if (&c == &best || a.step <= b.step) return "best";
+  const std::pair<const char*, double> kinds[] = {{"compute", a.compute - a.recompute - (b.compute - b.recompute)},
+                                                  {"recompute", a.recompute - b.recompute},
+                                                  {"TP comm", a.tp_comm - b.tp_comm},
+                                                  {"p2p", a.p2p - b.p2p},
+                                                  {"bubble", a.bubble - b.bubble},
+                                                  {"DP comm", a.dp_comm - b.dp_comm}};
+  std::vector<std::pair<const char*, double>> grew;
+  for (const auto& k : kinds)
+    if (k.second > 0.005 * b.step) grew.push_back(k);
+  std::sort(grew.begin(), grew.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+  std::ostringstream os;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "+%.1f%% step time", 100 * (a.step / b.step - 1));
+  os << buf;
+  for (size_t i = 0; i < grew.size() && i < 2; ++i) {
+    std::snprintf(buf, sizeof buf, "%s %s +%.3f s", i == 0 ? ":" : ",", grew[i].first, grew[i].second);
+    os << buf;
+  }
+  return os.str();
+}
+
+}  // namespace megatorch::plan

@@ -1,0 +1,87 @@
+#pragma once
+// Step time of a layout: compute from the FLOPs at a calibrated GEMM efficiency plus a
+// memory-bound share, TP/SP and DP/ZeRO communication from their exact volumes over the
+// link bandwidths, and the pipeline (bubble included) from the schedule simulator run with
+// the layout's per-chunk forward and backward times.
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "megatorch/pipeline/simulator.h"
+#include "megatorch/plan/memory.h"
+#include "megatorch/plan/model_spec.h"
+
+namespace megatorch::plan {
+
+// The machines. Bandwidths in GB/s (gigabytes): intra_node_gbps as vendors quote NVLink per
+// GPU (both directions; one direction is half), inter_node_gbps for a whole node's NICs
+// (8 x 200 Gb/s InfiniBand = 200 GB/s), shared by its GPUs.
+struct Cluster {
+  int64_t gpus_per_node = 8;
+  int64_t nodes = 1;
+  double gpu_memory_gb = 80;
+  double peak_tflops = 312;
+  double intra_node_gbps = 600;
+  double inter_node_gbps = 200;
+  double memory_bandwidth_gbps = 2039;  // HBM, for the memory-bound share of a layer
+  int64_t gpus() const { return gpus_per_node * nodes; }
+  double memory_bytes() const { return gpu_memory_gb * 1e9; }
+};
+
+// What the hardware achieves of its nominal numbers. One calibration serves every model and
+// layout: the defaults are one fit for A100 clusters (docs/plan.md); --calibrate measures them
+// on the current machine.
+struct Calibration {
+  double matmul_efficiency = 0.6;   // of peak, for large GEMMs
+  double matmul_half_width = 0;     // GEMM inner width (h/t) at which efficiency halves; 0: flat
+  double memory_bound_passes = 0.5; // HBM passes over a layer's activations per forward
+  double intra_node_efficiency = 1.0;  // of intra_node_gbps / 2 (ring bus bandwidth)
+  double inter_node_efficiency = 0.6;  // of inter_node_gbps / gpus_per_node
+  double p2p_latency_s = 1e-3;      // fixed cost of one blocking pipeline transfer
+  std::string source = "default: A100 fit (docs/plan.md)";
+
+  double matmul_efficiency_at(double width) const { return matmul_efficiency * width / (width + matmul_half_width); }
+};
+nlohmann::json to_json(const Calibration& c);
+Calibration calibration_from_json(const nlohmann::json& j);  // fails naming a missing or bad field
+Calibration load_calibration(const std::string& path);
+void save_calibration(const Calibration& c, const std::string& path);
+
+// Seconds of one step, by kind (per GPU of the slowest pipeline stage).
+struct TimeBreakdown {
+  double compute = 0;      // forward + backward (+ recompute) GEMMs and memory-bound work
+  double recompute = 0;    // the part of compute spent recomputing
+  double tp_comm = 0;      // TP/SP all-reduces or all-gathers + reduce-scatters (not overlapped)
+  double p2p = 0;          // pipeline sends/receives (blocking)
+  double bubble = 0;       // pipeline idle time of the slowest stage, from the simulator
+  double dp_comm = 0;      // gradient reduction (+ ZeRO-3 parameter gathers), after the pipeline
+  double pipeline = 0;     // simulated makespan: compute + tp_comm + p2p + bubble
+  double step = 0;         // pipeline + dp_comm
+  double bubble_fraction = 0;  // simulator: idle / busy of the slowest stage
+  int64_t peak_inflight_chunks = 0;  // first stage, from the same simulation
+  double tflops_per_gpu = 0;  // flops_per_iteration(recompute as run) / step / GPUs
+  double mfu = 0;             // without recompute FLOPs, of peak
+};
+
+struct CostOptions {
+  Precision precision = Precision::kBf16;
+};
+
+// The per-chunk costs handed to the simulator and the simulation itself.
+struct PipelineCosts {
+  double chunk_forward = 0, chunk_backward = 0;  // seconds, slowest stage, incl. TP comm and p2p
+  double tick = 0;                               // seconds per simulator tick
+  pipeline::SimulatorOptions options;
+};
+PipelineCosts pipeline_costs(const ModelSpec& model, const Layout& layout, const Cluster& cluster,
+                             const Calibration& cal, const CostOptions& options = {});
+
+TimeBreakdown predict_time(const ModelSpec& model, const Layout& layout, int64_t global_batch, const Cluster& cluster,
+                           const Calibration& cal, const CostOptions& options = {});
+// The same from a simulation already run with pipeline_costs(...).options.
+TimeBreakdown predict_time(const ModelSpec& model, const Layout& layout, int64_t global_batch, const Cluster& cluster,
+                           const Calibration& cal, const CostOptions& options, const PipelineCosts& costs,
+                           const pipeline::SimulationResult& sim);
+
+}  // namespace megatorch::plan

@@ -1,0 +1,77 @@
+#pragma once
+// Per-GPU memory of a layout: weights, gradients and optimizer states by ZeRO stage
+// (REFERENCE.md's bytes per parameter), activations by Korthikanti et al. 2022 with the
+// number of micro-batches in flight taken from the pipeline schedule simulator, and buffers.
+#include <cstdint>
+#include <string>
+
+#include "megatorch/pipeline/simulator.h"
+#include "megatorch/plan/model_spec.h"
+
+namespace megatorch::plan {
+
+// Bytes per parameter of each kind of state a recipe keeps, before sharding.
+struct PrecisionBytes {
+  double param = 2, grad = 4, master_param = 4, master_grad = 0, optimizer_state = 8;
+  double total() const { return param + grad + master_param + master_grad + optimizer_state; }
+};
+PrecisionBytes precision_bytes(Precision p);
+
+// Bytes one DP rank holds for `num_params` parameters (the parameters of its TP/PP shard)
+// with `dp` ranks at a ZeRO stage: stage 1 shards the master params, master grads and
+// optimizer states over dp, stage 2 the gradients too, stage 3 the parameters too. The names
+// follow DistributedOptimizer::memory_stats() (padding left out: exact division).
+struct StateBytes {
+  double param_bytes = 0, grad_bytes = 0, master_param_bytes = 0, master_grad_bytes = 0, optimizer_state_bytes = 0;
+  double total() const { return param_bytes + grad_bytes + master_param_bytes + master_grad_bytes + optimizer_state_bytes; }
+};
+StateBytes zero_state_bytes(double num_params, int64_t dp, int zero_stage, Precision precision);
+// The same for one rank of a GPT model under a layout: the parameters that rank holds
+// (params_per_rank of its pipeline stage) sharded by zero_state_bytes.
+StateBytes zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Precision precision, int64_t pp_rank = 0);
+
+// How activations are stored. The defaults are the paper's: 16-bit activations, 1-byte
+// dropout masks, nothing else. megatorch_extras adds what megatorch's layer keeps beyond the
+// paper's count (docs/activation_memory.md): LayerNorm's fp32 mean and 1/std (L) and, under
+// SP, the all-gathered inputs of QKV and fc1 (G). math_attention adds SDPA's math path
+// (CPU with attention dropout): Q and K held twice (Q).
+struct ActivationOptions {
+  double activation_bytes = 2;
+  double mask_bytes = 1;
+  bool megatorch_extras = false;
+  bool math_attention = false;
+};
+
+// Bytes one TP rank keeps for backward for one transformer layer and one micro-batch of
+// `micro_batch` sequences (Korthikanti Table 2 for MHA + GeLU; GQA and SwiGLU counted by
+// their tensors).
+double activation_bytes_per_layer(const ModelSpec& model, int64_t micro_batch, int64_t tp, bool sequence_parallel,
+                                  Recompute recompute, const ActivationOptions& options = {});
+
+struct MemoryBreakdown {
+  int64_t stage = 0;   // the pipeline rank this breakdown is for (the fullest one)
+  StateBytes states;   // weights, gradients, optimizer states
+  double activations = 0;   // saved for backward: per layer x layers per stage x in flight
+  double inflight_microbatches = 0;  // micro-batches of a whole stage in flight (simulator)
+  double recompute_working = 0;      // one layer's activations rebuilt during backward (recompute)
+  double logits = 0;        // fp32 logits shard for the loss (last stage)
+  double reserved = 0;      // runtime, communication buffers, fragmentation
+  double total() const { return states.total() + activations + recompute_working + logits + reserved; }
+};
+
+struct MemoryOptions {
+  Precision precision = Precision::kBf16;
+  ActivationOptions activations;
+  double reserved_bytes = 2.0 * (1ull << 30);
+};
+
+// The fuller of the first and the last pipeline stage. The in-flight count comes from
+// simulate_schedule (1F1B or interleaved): its peak_inflight of the stage, in chunks.
+MemoryBreakdown predict_memory(const ModelSpec& model, const Layout& layout, int64_t global_batch,
+                               const MemoryOptions& options = {});
+// The same with the in-flight counts of a simulation already run for this layout (any costs:
+// the schedule's order fixes what is in flight).
+MemoryBreakdown predict_memory(const ModelSpec& model, const Layout& layout, const pipeline::SimulationResult& sim,
+                               const MemoryOptions& options = {});
+
+}  // namespace megatorch::plan

@@ -1,0 +1,61 @@
+#pragma once
+// The planner: enumerates the layouts of a model on a cluster (TP <= GPUs per node, PP, DP,
+// virtual stages, ZeRO stage, micro-batch, recompute, SP), predicts each one's memory and
+// step time, rejects those that do not fit and ranks the rest. Any knob can be fixed.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "megatorch/plan/cost_model.h"
+#include "megatorch/plan/memory.h"
+#include "megatorch/plan/model_spec.h"
+
+namespace megatorch::plan {
+
+struct PlanRequest {
+  ModelSpec model;
+  Cluster cluster;
+  Calibration calibration;
+  int64_t global_batch = 512;
+  Precision precision = Precision::kBf16;
+  ActivationOptions activations;  // activation_bytes follows the precision
+  double reserved_gb = 2.0;  // runtime, communication buffers, fragmentation
+  // Fixed knobs; unset ones are searched.
+  std::optional<int64_t> tp, pp, dp, vpp, micro_batch;
+  std::optional<int> zero_stage;
+  std::optional<Recompute> recompute;
+  std::optional<bool> sequence_parallel;
+  int64_t max_micro_batch = 8;
+  int64_t max_vpp = 8;
+};
+
+struct Candidate {
+  Layout layout;
+  MemoryBreakdown memory;
+  TimeBreakdown time;
+};
+
+struct PlanResult {
+  std::vector<Candidate> ranked;  // layouts that fit, fastest first (less memory breaks ties)
+  int64_t considered = 0;         // valid layouts looked at
+  int64_t too_big = 0;            // valid layouts that do not fit in GPU memory
+  std::vector<std::string> invalid_examples;  // why some requested combinations were invalid
+};
+
+// Memory and time of one layout (fails if the layout is not valid for the request).
+Candidate evaluate(const PlanRequest& request, const Layout& layout);
+
+// Every layout allowed by the fixed knobs. Fails when the fixed knobs admit no valid layout
+// (saying which constraint, e.g. TP*PP*DP != GPUs) and when no valid layout fits (saying how
+// much memory is short, per GPU and in total).
+PlanResult plan(const PlanRequest& request);
+
+// One line on why `c` ranks below `best`: its step time difference, by the kinds that grew.
+std::string why_lost(const Candidate& c, const Candidate& best);
+
+MemoryOptions memory_options(const PlanRequest& request);
+
+}  // namespace megatorch::plan

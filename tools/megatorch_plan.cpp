@@ -1,0 +1,244 @@
+// megatorch-plan: predicts per-GPU memory and step time of every TP/PP/DP/ZeRO/micro-batch/
+// recompute/SP layout of a model on a cluster, rejects those that do not fit and ranks the rest.
+//
+//   megatorch-plan --model gpt3-175b --nodes 128 --global-batch-size 1536 [--json] [--explain]
+//   megatorch-plan --calibrate calib.json          # time this machine's GEMMs (and collectives)
+//   megatorch-plan --model llama3-8b --nodes 1 --calibration calib.json
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "megatorch/check.h"
+#include "megatorch/plan/calibrate.h"
+#include "megatorch/plan/planner.h"
+
+namespace mp = megatorch::plan;
+using nlohmann::json;
+
+namespace {
+
+struct Args {
+  std::string model, precision = "bf16", calibration, calibrate_out = "megatorch_calibration.json";
+  bool bf16 = false, fp16 = false, swiglu = false, no_bias = false, untie = false, sp = false, no_sp = false;
+  std::string normalization = "LayerNorm", positions = "learned_absolute", recompute;
+  int64_t layers = 0, hidden = 0, heads = 0, groups = 0, ffn = 0, vocab = 0, seq = 0, divisible_by = 128;
+  int64_t tp = 0, pp = 0, dp = 0, vpp = 0, mb = 0, top = 5;
+  int zero = -1;
+  bool json = false, explain = false, megatorch_activations = false, math_attention = false;
+  double mask_bytes = 1;
+};
+
+double gb(double bytes) { return bytes / 1e9; }
+
+json layout_json(const mp::Layout& l) {
+  return {{"tensor_model_parallel_size", l.tp}, {"pipeline_model_parallel_size", l.pp}, {"data_parallel_size", l.dp},
+          {"virtual_pipeline_model_parallel_size", l.vpp}, {"zero_stage", l.zero_stage}, {"micro_batch_size", l.micro_batch},
+          {"recompute_granularity", megatorch::transformer::to_string(l.recompute)}, {"sequence_parallel", l.sequence_parallel}};
+}
+
+json memory_json(const mp::MemoryBreakdown& m) {
+  return {{"stage", m.stage}, {"param_bytes", m.states.param_bytes}, {"grad_bytes", m.states.grad_bytes},
+          {"master_param_bytes", m.states.master_param_bytes}, {"master_grad_bytes", m.states.master_grad_bytes},
+          {"optimizer_state_bytes", m.states.optimizer_state_bytes}, {"activation_bytes", m.activations},
+          {"inflight_microbatches", m.inflight_microbatches}, {"recompute_working_bytes", m.recompute_working},
+          {"logits_bytes", m.logits}, {"reserved_bytes", m.reserved}, {"total_bytes", m.total()}};
+}
+
+json time_json(const mp::TimeBreakdown& t) {
+  return {{"compute_s", t.compute}, {"recompute_s", t.recompute}, {"tp_comm_s", t.tp_comm}, {"p2p_s", t.p2p},
+          {"bubble_s", t.bubble}, {"dp_comm_s", t.dp_comm}, {"pipeline_s", t.pipeline}, {"step_s", t.step},
+          {"bubble_fraction", t.bubble_fraction}, {"peak_inflight_chunks", t.peak_inflight_chunks},
+          {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}};
+}
+
+void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
+  const auto& m = c.memory;
+  const auto& t = c.time;
+  std::printf("\n%s\nmemory per GPU (pipeline stage %lld, the fullest): %.2f GB of %.2f GB\n", c.layout.str().c_str(),
+              static_cast<long long>(m.stage), gb(m.total()), r.cluster.gpu_memory_gb);
+  std::printf("  parameters        %9.2f GB\n  gradients         %9.2f GB\n  master params     %9.2f GB\n",
+              gb(m.states.param_bytes), gb(m.states.grad_bytes), gb(m.states.master_param_bytes));
+  std::printf("  master grads      %9.2f GB\n  optimizer states  %9.2f GB\n", gb(m.states.master_grad_bytes),
+              gb(m.states.optimizer_state_bytes));
+  std::printf("  activations       %9.2f GB  (%.2f micro-batches in flight, from the simulator)\n", gb(m.activations),
+              m.inflight_microbatches);
+  std::printf("  recompute working %9.2f GB\n  logits            %9.2f GB\n  reserved          %9.2f GB\n",
+              gb(m.recompute_working), gb(m.logits), gb(m.reserved));
+  std::printf("step time: %.3f s  (%.1f TFLOP/s per GPU, MFU %.1f%%)\n", t.step, t.tflops_per_gpu, 100 * t.mfu);
+  std::printf("  compute           %9.3f s  (of which recompute %.3f s)\n  TP/SP comm        %9.3f s\n", t.compute,
+              t.recompute, t.tp_comm);
+  std::printf("  pipeline p2p      %9.3f s\n  pipeline bubble   %9.3f s  (simulated: %.4f of busy time)\n", t.p2p, t.bubble,
+              t.bubble_fraction);
+  std::printf("  DP/ZeRO comm      %9.3f s\ncalibration: %s\n", t.dp_comm, r.calibration.source.c_str());
+}
+
+int run_plan(const Args& a, mp::PlanRequest r) {
+  const mp::PlanResult res = mp::plan(r);
+  const auto& best = res.ranked.front();
+  const size_t n = std::min<size_t>(res.ranked.size(), static_cast<size_t>(std::max<int64_t>(a.top, 1)));
+  if (a.json) {
+    json j;
+    j["model"] = {{"name", r.model.name}, {"num_layers", r.model.num_layers}, {"hidden_size", r.model.hidden_size},
+                  {"num_attention_heads", r.model.num_attention_heads}, {"num_query_groups", r.model.query_groups()},
+                  {"ffn_hidden_size", r.model.ffn()}, {"vocab_size", r.model.vocab_size}, {"seq_length", r.model.seq_length},
+                  {"parameters", mp::total_params(r.model)}};
+    j["cluster"] = {{"gpus", r.cluster.gpus()}, {"gpus_per_node", r.cluster.gpus_per_node}, {"nodes", r.cluster.nodes},
+                    {"gpu_memory_gb", r.cluster.gpu_memory_gb}, {"peak_tflops", r.cluster.peak_tflops}};
+    j["calibration"] = mp::to_json(r.calibration);
+    j["global_batch_size"] = r.global_batch;
+    j["precision"] = mp::to_string(r.precision);
+    j["considered"] = res.considered;
+    j["rejected_out_of_memory"] = res.too_big;
+    j["fitting"] = res.ranked.size();
+    j["top"] = json::array();
+    for (size_t i = 0; i < n; ++i) {
+      const auto& c = res.ranked[i];
+      j["top"].push_back({{"rank", i + 1}, {"layout", layout_json(c.layout)}, {"memory", memory_json(c.memory)},
+                          {"time", time_json(c.time)}, {"why_lost", mp::why_lost(c, best)}});
+    }
+    std::cout << j.dump() << std::endl;
+    return 0;
+  }
+  std::printf("%s: %lld parameters on %lld GPUs (%lld x %lld), global batch %lld, %s\n", r.model.name.c_str(),
+              static_cast<long long>(mp::total_params(r.model)), static_cast<long long>(r.cluster.gpus()),
+              static_cast<long long>(r.cluster.nodes), static_cast<long long>(r.cluster.gpus_per_node),
+              static_cast<long long>(r.global_batch), mp::to_string(r.precision));
+  std::printf("%lld layouts considered, %lld do not fit in %.0f GB, %zu fit; the fastest %zu:\n",
+              static_cast<long long>(res.considered), static_cast<long long>(res.too_big), r.cluster.gpu_memory_gb,
+              res.ranked.size(), n);
+  std::printf("%4s  %-58s %9s %9s %8s %6s %7s  %s\n", "rank", "layout", "mem GB", "step s", "TFLOP/s", "MFU", "bubble",
+              "why it lost");
+  for (size_t i = 0; i < n; ++i) {
+    const auto& c = res.ranked[i];
+    std::printf("%4zu  %-58s %9.2f %9.3f %8.1f %5.1f%% %7.4f  %s\n", i + 1, c.layout.str().c_str(), gb(c.memory.total()),
+                c.time.step, c.time.tflops_per_gpu, 100 * c.time.mfu, c.time.bubble_fraction,
+                mp::why_lost(c, best).c_str());
+  }
+  if (a.explain) print_explain(r, best);
+  return 0;
+}
+
+int run_calibrate(const Args& a, const mp::Cluster& cluster) {
+  const mp::CalibrationReport rep = mp::calibrate(cluster);
+  const char* rank = std::getenv("RANK");
+  if (rank && std::string(rank) != "0") return 0;
+  mp::save_calibration(rep.calibration, a.calibrate_out);
+  json j = mp::to_json(rep.calibration);
+  j["measurements"] = rep.measurements;
+  j["file"] = a.calibrate_out;
+  if (a.json)
+    std::cout << j.dump() << std::endl;
+  else
+    std::printf("%s\ncalibration written to %s (use it with --calibration %s)\n", j.dump(2).c_str(),
+                a.calibrate_out.c_str(), a.calibrate_out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Predict memory and step time of TP/PP/DP/ZeRO layouts and rank them.", "megatorch-plan"};
+  Args a;
+  mp::Cluster cl;
+  int64_t global_batch = 512;
+  double reserved_gb = 2.0;
+  app.add_option("--model", a.model, "preset: gpt3-175b, megatron-1t, llama3-8b, llama3-70b (flags below override)");
+  app.add_option("--num-layers", a.layers);
+  app.add_option("--hidden-size", a.hidden);
+  app.add_option("--num-attention-heads", a.heads);
+  app.add_option("--num-query-groups", a.groups, "key/value heads (GQA)");
+  app.add_option("--ffn-hidden-size", a.ffn);
+  app.add_option("--vocab-size,--padded-vocab-size", a.vocab);
+  app.add_option("--make-vocab-size-divisible-by", a.divisible_by)->capture_default_str();
+  app.add_option("--seq-length", a.seq);
+  app.add_flag("--swiglu", a.swiglu);
+  app.add_option("--normalization", a.normalization, "LayerNorm or RMSNorm")->capture_default_str();
+  app.add_option("--position-embedding-type", a.positions, "learned_absolute or rope")->capture_default_str();
+  app.add_flag("--disable-bias-linear", a.no_bias);
+  app.add_flag("--untie-embeddings-and-output-weights", a.untie);
+  app.add_option("--global-batch-size", global_batch)->capture_default_str();
+  app.add_option("--precision", a.precision, "bf16, fp16, fp32 or mixed (the ZeRO paper's 16 bytes/param)")
+      ->capture_default_str();
+  app.add_flag("--bf16", a.bf16, "same as --precision bf16");
+  app.add_flag("--fp16", a.fp16, "same as --precision fp16");
+  app.add_option("--gpus-per-node", cl.gpus_per_node)->capture_default_str();
+  app.add_option("--nodes", cl.nodes)->capture_default_str();
+  app.add_option("--gpu-memory-gb", cl.gpu_memory_gb)->capture_default_str();
+  app.add_option("--peak-tflops", cl.peak_tflops, "peak dense 16-bit TFLOP/s per GPU")->capture_default_str();
+  app.add_option("--intra-node-gbps", cl.intra_node_gbps, "NVLink GB/s per GPU, both directions")->capture_default_str();
+  app.add_option("--inter-node-gbps", cl.inter_node_gbps, "network GB/s per node, all NICs")->capture_default_str();
+  app.add_option("--memory-bandwidth-gbps", cl.memory_bandwidth_gbps, "HBM GB/s per GPU")->capture_default_str();
+  app.add_option("--reserved-gb", reserved_gb, "per-GPU memory kept for the runtime and buffers")->capture_default_str();
+  app.add_option("--tensor-model-parallel-size", a.tp);
+  app.add_option("--pipeline-model-parallel-size", a.pp);
+  app.add_option("--data-parallel-size", a.dp);
+  app.add_option("--virtual-pipeline-model-parallel-size", a.vpp);
+  app.add_option("--zero-stage", a.zero, "0, 1, 2 or 3");
+  app.add_option("--micro-batch-size", a.mb);
+  app.add_option("--recompute-granularity", a.recompute, "none, selective or full");
+  app.add_flag("--sequence-parallel", a.sp, "fix sequence parallelism on");
+  app.add_flag("--no-sequence-parallel", a.no_sp, "fix sequence parallelism off");
+  app.add_option("--mask-bytes", a.mask_bytes, "bytes per dropout-mask element (1 on CUDA, 4 on CPU)")
+      ->capture_default_str();
+  app.add_flag("--megatorch-activations", a.megatorch_activations,
+               "count what megatorch's layer keeps beyond Korthikanti (norm statistics, SP-gathered inputs)");
+  app.add_flag("--math-attention", a.math_attention, "attention runs SDPA's math path (CPU with dropout)");
+  app.add_option("--top", a.top, "layouts to list")->capture_default_str();
+  app.add_flag("--json", a.json, "print one JSON object");
+  app.add_flag("--explain", a.explain, "print the full memory and time breakdown of the best layout");
+  app.add_option("--calibration", a.calibration, "calibration JSON written by --calibrate");
+  auto* cal = app.add_option("--calibrate", a.calibrate_out, "time this machine and write the calibration JSON")
+                  ->expected(0, 1);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (cal->count() > 0) return run_calibrate(a, cl);
+    mp::PlanRequest r;
+    if (!a.model.empty()) r.model = mp::preset(a.model);
+    else if (a.layers == 0 || a.hidden == 0 || a.heads == 0)
+      MEGATORCH_FAIL("give a model: --model PRESET (", "gpt3-175b, megatron-1t, llama3-8b, llama3-70b", ") or at least "
+                     "--num-layers, --hidden-size and --num-attention-heads");
+    auto& m = r.model;
+    if (a.layers) m.num_layers = a.layers;
+    if (a.hidden) m.hidden_size = a.hidden;
+    if (a.heads) m.num_attention_heads = a.heads;
+    if (a.groups) m.num_query_groups = a.groups;
+    if (a.ffn) m.ffn_hidden_size = a.ffn;
+    if (a.vocab) m.vocab_size = a.vocab;
+    if (a.seq) m.seq_length = a.seq;
+    m.make_vocab_size_divisible_by = a.divisible_by;
+    if (a.model.empty()) {
+      m.swiglu = a.swiglu, m.rms_norm = a.normalization == "RMSNorm", m.learned_positions = a.positions != "rope";
+      m.add_bias_linear = !a.no_bias, m.tie_embeddings = !a.untie;
+    }
+    r.cluster = cl;
+    r.global_batch = global_batch;
+    r.precision = mp::parse_precision(a.fp16 ? "fp16" : a.bf16 ? "bf16" : a.precision);
+    r.reserved_gb = reserved_gb;
+    r.activations.mask_bytes = a.mask_bytes;
+    r.activations.megatorch_extras = a.megatorch_activations;
+    r.activations.math_attention = a.math_attention;
+    if (!a.calibration.empty()) r.calibration = mp::load_calibration(a.calibration);
+    if (a.tp) r.tp = a.tp;
+    if (a.pp) r.pp = a.pp;
+    if (a.dp) r.dp = a.dp;
+    if (a.vpp) r.vpp = a.vpp;
+    if (a.mb) r.micro_batch = a.mb;
+    if (a.zero >= 0) r.zero_stage = a.zero;
+    if (!a.recompute.empty()) r.recompute = megatorch::transformer::parse_recompute(a.recompute);
+    if (a.sp && a.no_sp) MEGATORCH_FAIL("give one of --sequence-parallel and --no-sequence-parallel, not both");
+    if (a.sp) r.sequence_parallel = true;
+    if (a.no_sp) r.sequence_parallel = false;
+    return run_plan(a, r);
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "megatorch-plan: " << e.what() << "\n";
+    return 1;
+  }
+}
