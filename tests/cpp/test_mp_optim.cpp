@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include "gpt_test_util.h"
+#include "megatorch/plan/memory.h"
+#include "megatorch/plan/model_spec.h"
 #include "mp_util.h"
 
 using megatorch::comm::CommOp;
@@ -19,9 +21,18 @@ using megatorch::parallel::ParallelState;
 
 namespace {
 
-constexpr double kLr = 1e-3, kWd = 0.1;
+// eps 1e-6 rather than the usual 1e-8: Adam divides by sqrt(v) + eps, so a gradient that
+// is zero up to rounding (the key bias's is exactly zero in exact arithmetic) turns its
+// summation-order noise into updates of up to lr·noise/eps. A larger eps bounds that, so
+// the rtol 1e-5 / atol 1e-6 comparison measures the optimizer, not the rounding.
+constexpr double kLr = 1e-3, kWd = 0.1, kEps = 1e-6;
 
-gpt_test::TransformerConfig small_config() { return gpt_test::base_config().hidden_dropout(0.0).attention_dropout(0.0); }
+// The unfused layers: the comparison isolates the optimizer. (With the fused CPU kernels
+// the runs agree as closely but not within atol 1e-6 everywhere: at 4 ranks one fc1 weight
+// of ~10k ends 1.16e-6 apart, the fused backward's rounding differing with batch shape.)
+gpt_test::TransformerConfig small_config() {
+  return gpt_test::base_config().hidden_dropout(0.0).attention_dropout(0.0).fused_kernels(false);
+}
 
 struct Setup {
   std::unique_ptr<ParallelState> st;
@@ -30,12 +41,12 @@ struct Setup {
 };
 
 Setup make(const gpt_test::TransformerConfig& config, int64_t tp, int64_t stage, const std::string& name,
-           DistributedOptimizerOptions o = {}, double weight_decay = kWd) {
+           DistributedOptimizerOptions o = {}, double weight_decay = kWd, double lr = kLr) {
   Setup s;
   s.st = mp::state(tp, 1, name);
   s.model = GPTModel(GPTModelOptions(config).group(s.st->group_name(GroupKind::kTensor)));
   auto mp_params = megatorch::optim::gpt_model_parameters({s.model});
-  o.zero_stage(stage).lr(kLr).weight_decay(weight_decay).model_parallel_groups({s.st->group_name(GroupKind::kTensor)});
+  o.zero_stage(stage).lr(lr).eps(kEps).weight_decay(weight_decay).model_parallel_groups({s.st->group_name(GroupKind::kTensor)});
   s.opt = std::make_unique<DistributedOptimizer>(mp_params.units, s.st->group_name(GroupKind::kData), o, mp_params.info);
   megatorch::optim::attach_unit_hooks({s.model}, *s.opt);
   return s;
@@ -68,19 +79,20 @@ double train_step(Setup& s, const torch::Tensor& batch, int64_t micro) {
 
 // Reference: TP=1 on one process, the whole global batch, torch's AdamW with the same
 // no-decay rule (1-D parameters) as gpt_model_parameters.
-std::pair<GPTModel, std::vector<double>> train_reference(const gpt_test::TransformerConfig& c, int64_t b, int steps) {
+std::pair<GPTModel, std::vector<double>> train_reference(const gpt_test::TransformerConfig& c, int64_t b, int steps,
+                                                         double lr = kLr, bool same_batch = false) {
   auto ref = GPTModel(GPTModelOptions(c));
   std::vector<torch::Tensor> decay, no_decay;
   for (auto& p : ref->parameters()) (p.dim() > 1 ? decay : no_decay).push_back(p);
   std::vector<torch::optim::OptimizerParamGroup> groups{
       torch::optim::OptimizerParamGroup(decay, std::make_unique<torch::optim::AdamWOptions>(
-                                                   torch::optim::AdamWOptions(kLr).weight_decay(kWd))),
+                                                   torch::optim::AdamWOptions(lr).weight_decay(kWd).eps(kEps))),
       torch::optim::OptimizerParamGroup(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                                      torch::optim::AdamWOptions(kLr).weight_decay(0.0)))};
-  torch::optim::AdamW opt(groups, torch::optim::AdamWOptions(kLr));
+                                                      torch::optim::AdamWOptions(lr).weight_decay(0.0).eps(kEps)))};
+  torch::optim::AdamW opt(groups, torch::optim::AdamWOptions(lr));
   std::vector<double> losses;
   for (int step = 0; step < steps; ++step) {
-    const auto data = global_batch(c, b, step);
+    const auto data = global_batch(c, b, same_batch ? 0 : step);
     opt.zero_grad();
     auto loss = ref->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length()));
     loss.backward();
@@ -97,8 +109,9 @@ void check_params_match(Setup& s, GPTModel& ref, const gpt_test::TransformerConf
   for (const auto& p : s.model->named_parameters()) {
     INFO(p.key());
     const auto expected = gpt_test::expected_shard(p.key(), want[p.key()].detach(), p.value(), tp_rank, tp, c);
-    INFO("max abs diff " << (p.value().detach() - expected).abs().max().item<double>());
-    CHECK(torch::allclose(p.value().detach(), expected, 1e-5, 1e-6));
+    auto got = p.value().detach();
+    INFO("max abs diff " << (got - expected).abs().max().item<double>());
+    CHECK(torch::allclose(got, expected, 1e-5, 1e-6));
   }
   for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->release_unit(u);
 }
@@ -175,10 +188,14 @@ TEST_CASE("Bytes held per rank equal the ZeRO table exactly; bytes moved are 2Ψ
     s.opt->step();
     const auto cs = dp.stats();
     const int64_t elt = 2;  // bf16 gradients and parameters
-    const int64_t moved = 2 * cs[CommOp::kAllReduce].bytes / elt + cs[CommOp::kReduceScatter].bytes / elt +
-                          d * cs[CommOp::kAllGather].bytes / elt;
+    // Sharded gradients (stages 1-3) also need the squared gradient norm summed over DP:
+    // one all-reduce of one double, apart from the 2Ψ / 3Ψ.
+    const int64_t norm_calls = stage >= 1 ? 1 : 0;
+    const int64_t moved = 2 * (cs[CommOp::kAllReduce].bytes - 8 * norm_calls) / elt +
+                          cs[CommOp::kReduceScatter].bytes / elt + d * cs[CommOp::kAllGather].bytes / elt;
     CHECK(moved == (stage == 3 ? 3 * psi : 2 * psi));
-    CHECK(cs[CommOp::kAllReduce].calls == (stage == 0 ? static_cast<int64_t>(s.opt->layout().buckets.size()) : 0));
+    CHECK(cs[CommOp::kAllReduce].calls ==
+          (stage == 0 ? static_cast<int64_t>(s.opt->layout().buckets.size()) : 0) + norm_calls);
   }
 }
 
@@ -229,7 +246,11 @@ TEST_CASE("An overflowing step is skipped on every rank, bit for bit, with Megat
       CHECK(scaler->scale() == scales[step]);
       if (overflow[step]) {
         const auto after = s.opt->state_dict();
-        for (const auto& [k, v] : before) CHECK(torch::equal(after.at(k), v));
+        for (const auto& [k, v] : before) {
+          if (k.rfind("loss_scaler.", 0) == 0) continue;  // the scaler's own state moves on, by design
+          INFO(k);
+          CHECK(torch::equal(after.at(k), v));
+        }
         for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->gather_unit(u);
         size_t i = 0;
         for (const auto& p : s.model->parameters()) CHECK(torch::equal(p.detach(), params_before[i++]));
@@ -247,7 +268,7 @@ TEST_CASE("The global gradient norm over TP and DP shards equals the single-rank
   auto ref = GPTModel(GPTModelOptions(c));
   const double max_norm = 0.05;
   std::vector<double> ref_norms;
-  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0));
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.0).eps(kEps));
   for (int step = 0; step < 3; ++step) {
     const auto data = global_batch(c, b, step);
     ref_opt.zero_grad();
@@ -303,4 +324,54 @@ TEST_CASE("Bad optimizer input fails on every rank with a clear message", "[mp][
   CHECK_THROWS_WITH(DistributedOptimizer(megatorch::optim::gpt_model_parameters({odd}).units, dp,
                                          DistributedOptimizerOptions().zero_stage(1)),
                     Catch::Contains("expected the same parameters on every rank"));
+}
+
+TEST_CASE("megatorch-plan's bytes per rank agree with memory_stats() within 5% at every stage", "[mp][optim][plan]") {
+  const int64_t d = mp::world_size();
+  for (auto dtype : {torch::kBFloat16, torch::kFloat}) {
+    for (int stage = 0; stage <= 3; ++stage) {
+      const auto config = small_config().params_dtype(dtype);
+      auto s = make(config, 1, stage, std::string("optim_plan_") + (dtype == torch::kFloat ? "fp32_" : "bf16_") +
+                                          std::to_string(stage));
+      megatorch::plan::Layout layout;
+      layout.dp = d;
+      layout.zero_stage = stage;
+      const auto want = megatorch::plan::zero_bytes_per_rank(
+          megatorch::plan::from_transformer_config(config), layout,
+          dtype == torch::kFloat ? megatorch::plan::Precision::kFp32 : megatorch::plan::Precision::kBf16);
+      const auto m = s.opt->memory_stats();
+      INFO("dtype " << dtype << " stage " << stage << ": planner " << want.total() << " bytes, optimizer "
+                    << m.at("total_bytes"));
+      CHECK(static_cast<double>(m.at("total_bytes")) == Approx(want.total()).epsilon(0.05));
+      CHECK(static_cast<double>(m.at("optimizer_state_bytes")) == Approx(want.optimizer_state_bytes).epsilon(0.05));
+      CHECK(static_cast<double>(m.at("param_bytes")) == Approx(want.param_bytes).epsilon(0.05));
+    }
+  }
+}
+
+TEST_CASE("bf16 parameters with fp32 master weights track the fp32 loss curve", "[mp][optim]") {
+  const int64_t world = mp::world_size();
+  const auto c = small_config();
+  // One batch memorised, enough steps at a high enough rate that the loss falls well away
+  // from its initial ln(vocab), where any precision gives the same number.
+  const int steps = 30, b = 2 * world;
+  const double lr = 1e-2;
+  const auto ref = train_reference(c, b, steps, lr, /*same_batch=*/true).second;
+  REQUIRE(ref.front() - ref.back() > 1.0);
+  auto bf16 = small_config();
+  bf16.params_dtype(torch::kBFloat16);
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    auto s = make(bf16, 1, stage, "optim_bf16_" + std::to_string(stage), {}, kWd, lr);
+    double worst = 0;
+    for (int step = 0; step < steps; ++step) {
+      const double loss = train_step(s, global_batch(c, b, 0), 1);
+      worst = std::max(worst, std::abs(loss - ref[step]) / ref[step]);
+    }
+    INFO("bf16 zero stage " << stage << ": largest relative loss difference to fp32 " << worst);
+    // bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) in weights and
+    // activations; with fp32 masters the updates are not lost, so the curve stays within
+    // a few percent of fp32's (measured: 0.7% at 2 ranks, 1.9% at 4, the largest near the
+    // end where the loss is small).
+    CHECK(worst < 5e-2);
+  }
 }
