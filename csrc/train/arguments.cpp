@@ -1,0 +1,174 @@
+#include "megatorch/train/arguments.h"
+
+#include <CLI/CLI.hpp>
+
+#include <sstream>
+
+#include "megatorch/check.h"
+
+namespace megatorch::train {
+
+TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
+  TrainArguments a;
+  CLI::App app{"gpt_pretrain: GPT pretraining with tensor, sequence, pipeline and data parallelism (ZeRO 0-3).\n"
+               "Launch with torchrun --no-python; flags follow Megatron-LM's names."};
+  app.option_defaults()->always_capture_default();
+  // Parallelism
+  app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "TP size");
+  app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "PP size");
+  app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
+                 "layers per virtual stage (interleaved 1F1B)");
+  app.add_flag("--sequence-parallel", a.sequence_parallel, "sequence parallelism (needs TP > 1)");
+  auto* schedule = app.add_option("--schedule", a.schedule, "pipeline schedule")
+                       ->check(CLI::IsMember({"1f1b", "gpipe", "interleaved"}));
+  app.add_option("--zero-stage", a.zero_stage, "ZeRO stage 0-3 (default: 1 with --use-distributed-optimizer, else 0)")
+      ->check(CLI::Range(0, 3));
+  app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer, "shard optimizer states (ZeRO-1)");
+  // Model
+  app.add_option("--num-layers", a.num_layers);
+  app.add_option("--hidden-size", a.hidden_size);
+  app.add_option("--ffn-hidden-size", a.ffn_hidden_size, "0: 4 x hidden");
+  app.add_option("--num-attention-heads", a.num_attention_heads);
+  app.add_flag("--group-query-attention", a.group_query_attention);
+  app.add_option("--num-query-groups", a.num_query_groups);
+  app.add_option("--seq-length", a.seq_length);
+  app.add_option("--max-position-embeddings", a.max_position_embeddings, "0: seq-length");
+  app.add_option("--position-embedding-type", a.position_embedding_type)
+      ->check(CLI::IsMember({"learned_absolute", "rope"}));
+  app.add_option("--normalization", a.normalization)->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
+  app.add_flag("--swiglu", a.swiglu);
+  app.add_flag("--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights);
+  app.add_option("--vocab-size", a.vocab_size, "vocabulary of byte-level or pre-tokenised data");
+  app.add_option("--hidden-dropout", a.hidden_dropout);
+  app.add_option("--attention-dropout", a.attention_dropout);
+  app.add_option("--recompute-granularity", a.recompute_granularity)->check(CLI::IsMember({"", "selective", "full"}));
+  // Batches
+  app.add_option("--micro-batch-size", a.micro_batch_size);
+  app.add_option("--global-batch-size", a.global_batch_size, "0: micro-batch-size x DP");
+  app.add_option("--train-iters", a.train_iters);
+  // Optimizer and learning rate
+  app.add_option("--lr", a.lr);
+  app.add_option("--min-lr", a.min_lr);
+  app.add_option("--lr-warmup-iters", a.lr_warmup_iters);
+  app.add_option("--lr-decay-style", a.lr_decay_style)->check(CLI::IsMember({"constant", "linear", "cosine"}));
+  app.add_option("--lr-decay-iters", a.lr_decay_iters, "0: train-iters");
+  app.add_option("--weight-decay", a.weight_decay);
+  app.add_option("--adam-beta1", a.adam_beta1);
+  app.add_option("--adam-beta2", a.adam_beta2);
+  app.add_option("--adam-eps", a.adam_eps);
+  app.add_option("--clip-grad", a.clip_grad, "max global gradient L2 norm; 0: off");
+  // Mixed precision
+  app.add_flag("--bf16", a.bf16);
+  app.add_flag("--fp16", a.fp16);
+  app.add_option("--initial-loss-scale", a.initial_loss_scale);
+  app.add_option("--loss-scale-window", a.loss_scale_window);
+  app.add_option("--hysteresis", a.hysteresis);
+  // Data
+  app.add_option("--data-path", a.data_path, "[weight] prefix [weight prefix ...] of .bin/.idx datasets");
+  app.add_option("--split", a.split, "train,valid,test weights");
+  // Checkpoints
+  app.add_option("--save", a.save);
+  app.add_option("--load", a.load);
+  app.add_option("--save-interval", a.save_interval);
+  // Evaluation and logging
+  app.add_option("--eval-interval", a.eval_interval);
+  app.add_option("--eval-iters", a.eval_iters);
+  app.add_flag("--eval-only", a.eval_only, "load, evaluate, exit");
+  app.add_option("--seed", a.seed);
+  app.add_option("--log-interval", a.log_interval);
+  app.add_option("--log-json", a.log_json, "one JSON object per iteration");
+  app.add_option("--timeline", a.timeline, "SVG of one iteration's pipeline schedule");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    if (help_printed) *help_printed = true;
+    return a;
+  } catch (const CLI::ParseError& e) {
+    MEGATORCH_FAIL("gpt_pretrain: ", e.what(), " (run with --help for the flags)");
+  }
+  if (schedule->count() == 0 && a.num_layers_per_virtual_pipeline_stage > 0) a.schedule = "interleaved";
+  return a;
+}
+
+void validate(TrainArguments& a, int64_t world) {
+  const int64_t tp = a.tensor_model_parallel_size, pp = a.pipeline_model_parallel_size;
+  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && world % (tp * pp) == 0, "gpt_pretrain: expected tensor x pipeline parallel size (",
+                  tp, " x ", pp, " = ", tp * pp, ") to divide the world size ", world,
+                  "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
+  a.world_size = world;
+  a.data_parallel_size = world / (tp * pp);
+  const int64_t dp = a.data_parallel_size;
+  MEGATORCH_CHECK(!(a.bf16 && a.fp16), "gpt_pretrain: --bf16 and --fp16 contradict each other; pick one");
+  MEGATORCH_CHECK(!a.sequence_parallel || tp > 1,
+                  "gpt_pretrain: --sequence-parallel needs --tensor-model-parallel-size > 1, got ", tp);
+  MEGATORCH_CHECK(a.micro_batch_size >= 1 && a.train_iters >= 0, "gpt_pretrain: expected --micro-batch-size >= 1 and "
+                  "--train-iters >= 0, got ", a.micro_batch_size, " and ", a.train_iters);
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * dp;
+  MEGATORCH_CHECK(a.global_batch_size % (a.micro_batch_size * dp) == 0, "gpt_pretrain: expected --global-batch-size (",
+                  a.global_batch_size, ") to be a multiple of --micro-batch-size x data-parallel size (", a.micro_batch_size,
+                  " x ", dp, " = ", a.micro_batch_size * dp, "); change one of them");
+  a.num_micro_batches = a.global_batch_size / (a.micro_batch_size * dp);
+  MEGATORCH_CHECK(a.num_layers >= pp, "gpt_pretrain: expected at least one layer per pipeline stage; got --num-layers ",
+                  a.num_layers, " over ", pp, " stages");
+  if (a.num_layers_per_virtual_pipeline_stage > 0) {
+    const int64_t per_stage = a.num_layers / pp;
+    MEGATORCH_CHECK(a.num_layers % pp == 0 && per_stage % a.num_layers_per_virtual_pipeline_stage == 0 &&
+                        per_stage / a.num_layers_per_virtual_pipeline_stage >= 1,
+                    "gpt_pretrain: expected --num-layers-per-virtual-pipeline-stage (", a.num_layers_per_virtual_pipeline_stage,
+                    ") to divide the layers per stage (", a.num_layers, " / ", pp, ")");
+    a.virtual_chunks = per_stage / a.num_layers_per_virtual_pipeline_stage;
+    MEGATORCH_CHECK(pp > 1, "gpt_pretrain: --num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1");
+  }
+  MEGATORCH_CHECK(a.schedule != "interleaved" || a.virtual_chunks > 1,
+                  "gpt_pretrain: --schedule interleaved needs --num-layers-per-virtual-pipeline-stage (v > 1 chunks per stage)");
+  MEGATORCH_CHECK(a.virtual_chunks == 1 || a.schedule == "interleaved", "gpt_pretrain: virtual pipeline stages run with "
+                  "--schedule interleaved, got --schedule ", a.schedule);
+  MEGATORCH_CHECK(a.schedule != "interleaved" || a.num_micro_batches % pp == 0,
+                  "gpt_pretrain: the interleaved schedule needs the micro-batches per step (", a.num_micro_batches,
+                  ") to be a multiple of the pipeline size ", pp, "; change --global-batch-size");
+  if (a.zero_stage < 0) a.zero_stage = a.use_distributed_optimizer ? 1 : 0;
+  MEGATORCH_CHECK(!a.use_distributed_optimizer || a.zero_stage >= 1,
+                  "gpt_pretrain: --use-distributed-optimizer shards the optimizer (ZeRO >= 1) but --zero-stage 0 was given");
+  MEGATORCH_CHECK(a.group_query_attention || a.num_query_groups == 0,
+                  "gpt_pretrain: --num-query-groups needs --group-query-attention");
+  MEGATORCH_CHECK(!a.group_query_attention || a.num_query_groups >= 1,
+                  "gpt_pretrain: --group-query-attention needs --num-query-groups");
+  MEGATORCH_CHECK(a.lr >= 0 && a.min_lr >= 0 && a.min_lr <= a.lr, "gpt_pretrain: expected 0 <= --min-lr <= --lr, got ",
+                  a.min_lr, " and ", a.lr);
+  MEGATORCH_CHECK(a.log_interval >= 1 && a.eval_iters >= 0 && a.save_interval >= 0 && a.eval_interval >= 0,
+                  "gpt_pretrain: expected --log-interval >= 1 and non-negative --eval-iters / --save-interval / --eval-interval");
+  MEGATORCH_CHECK(!a.eval_only || !a.load.empty(), "gpt_pretrain: --eval-only needs --load");
+  MEGATORCH_CHECK(a.save_interval == 0 || !a.save.empty(), "gpt_pretrain: --save-interval needs --save DIR");
+  if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
+  // The model's own checks (heads, hidden, ffn, seq divisible by tp...) with the same clarity.
+  model_config(a).validate(tp);
+}
+
+transformer::TransformerConfig model_config(const TrainArguments& a) {
+  using namespace transformer;
+  TransformerConfig c;
+  c.num_layers(a.num_layers)
+      .hidden_size(a.hidden_size)
+      .ffn_hidden_size(a.ffn_hidden_size)
+      .num_attention_heads(a.num_attention_heads)
+      .num_query_groups(a.group_query_attention ? a.num_query_groups : 0)
+      .seq_length(a.seq_length)
+      .max_position_embeddings(a.max_position_embeddings)
+      .vocab_size(a.vocab_size)
+      .normalization(a.normalization == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm)
+      .activation(a.swiglu ? Activation::kSwiGLU : Activation::kGeluTanh)
+      .position_embedding_type(a.position_embedding_type == "rope" ? Positions::kRope : Positions::kLearned)
+      .tie_embeddings(!a.untie_embeddings_and_output_weights)
+      .hidden_dropout(a.hidden_dropout)
+      .attention_dropout(a.attention_dropout)
+      .sequence_parallel(a.sequence_parallel)
+      .recompute(a.recompute_granularity == "full"        ? Recompute::kFull
+                 : a.recompute_granularity == "selective" ? Recompute::kSelective
+                                                          : Recompute::kNone)
+      .params_dtype(a.bf16 ? c10::kBFloat16 : a.fp16 ? c10::kHalf : c10::kFloat)
+      .seed(a.seed);
+  return c;
+}
+
+}  // namespace megatorch::train

@@ -1,0 +1,420 @@
+#include "megatorch/train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "megatorch/check.h"
+#include "megatorch/ckpt/checkpoint.h"
+#include "megatorch/ckpt/gpt_checkpoint.h"
+#include "megatorch/comm/comm_stats.h"
+#include "megatorch/comm/group.h"
+#include "megatorch/optim/model_parameters.h"
+#include "megatorch/pipeline/timeline_svg.h"
+#include "megatorch/tp/rng_tracker.h"
+
+namespace megatorch::train {
+namespace {
+
+using parallel::GroupKind;
+using Clock = std::chrono::steady_clock;
+
+pipeline::ScheduleKind schedule_kind(const std::string& s) {
+  if (s == "gpipe") return pipeline::ScheduleKind::kGPipe;
+  if (s == "interleaved") return pipeline::ScheduleKind::kInterleaved;
+  return pipeline::ScheduleKind::kOneFOneB;
+}
+
+int64_t resident_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t pages = 0, rss = 0;
+  f >> pages >> rss;
+  return rss * 4096;
+}
+
+std::string human(double bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1);
+  if (bytes >= 1 << 30) {
+    o << bytes / (1 << 30) << " GiB";
+  } else {
+    o << bytes / (1 << 20) << " MiB";
+  }
+  return o.str();
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
+  const auto env = parallel::LaunchEnv::from_environment();
+  validate(args_, env.world_size);
+  state_ = std::make_unique<parallel::ParallelState>(
+      parallel::ParallelStateOptions(args_.tensor_model_parallel_size, args_.pipeline_model_parallel_size)
+          .name("gpt")
+          .device("cpu"));
+  at::manual_seed(args_.seed);
+  const auto config = model_config(args_);
+  stage_ = pipeline::PipelineStage(pipeline::PipelineStageOptions(config)
+                                       .tp_group(state_->group_name(GroupKind::kTensor))
+                                       .pp_group(args_.pipeline_model_parallel_size > 1
+                                                     ? state_->group_name(GroupKind::kPipeline)
+                                                     : "")
+                                       .virtual_chunks(args_.virtual_chunks));
+  if (args_.fp16) {
+    scaler_ = std::make_shared<optim::DynamicLossScaler>(optim::LossScalerOptions()
+                                                             .initial_scale(args_.initial_loss_scale)
+                                                             .growth_interval(args_.loss_scale_window)
+                                                             .hysteresis(args_.hysteresis));
+  }
+  const auto params = optim::gpt_model_parameters(chunks());
+  std::vector<std::string> model_groups{state_->group_name(GroupKind::kTensor)};
+  if (args_.pipeline_model_parallel_size > 1) model_groups.push_back(state_->group_name(GroupKind::kPipeline));
+  optimizer_ = std::make_unique<optim::DistributedOptimizer>(
+      params.units, state_->group_name(GroupKind::kData),
+      optim::DistributedOptimizerOptions()
+          .zero_stage(args_.zero_stage)
+          .lr(args_.lr)
+          .beta1(args_.adam_beta1)
+          .beta2(args_.adam_beta2)
+          .eps(args_.adam_eps)
+          .weight_decay(args_.weight_decay)
+          .clip_grad(args_.clip_grad)
+          .loss_scaler(scaler_)
+          .model_parallel_groups(model_groups)
+          // SP partial sums and tied-embedding gradients are summed before the DP
+          // reduction, so with either the reduction waits for the end of backward.
+          .overlap_grad_reduce(args_.pipeline_model_parallel_size == 1 && !args_.sequence_parallel),
+      params.info);
+  optim::attach_unit_hooks(chunks(), *optimizer_);
+  // The whole model's size, each parameter once (PaLM's FLOPs count uses it).
+  at::Tensor count = at::zeros({1}, at::kDouble);
+  for (size_t i = 0; i < params.info.size(); ++i) {
+    if (params.info[i].counted_in_norm) count += static_cast<double>(optimizer_->parameters()[i].numel());
+  }
+  comm::Group(state_->group_name(GroupKind::kTensor)).all_reduce(count);
+  if (args_.pipeline_model_parallel_size > 1) comm::Group(state_->group_name(GroupKind::kPipeline)).all_reduce(count);
+  num_parameters_ = static_cast<int64_t>(count.item<double>());
+  // PaLM appendix B: 6Ψ + 12·L·h·s per token (attention counted in full, not halved for causal).
+  flops_per_token_ = 6.0 * num_parameters_ + 12.0 * args_.num_layers * args_.hidden_size * args_.seq_length;
+
+  lr_ = LRSchedule{args_.lr, args_.min_lr, args_.lr_warmup_iters, args_.lr_decay_iters, args_.lr_decay_style};
+  MEGATORCH_CHECK(!args_.data_path.empty(), "gpt_pretrain: expected --data-path PREFIX (a Megatron .bin/.idx pair, e.g. "
+                  "data/default/stdlib_docs_text_document); make one with build/bin/megatorch-preprocess");
+  const int64_t eval_runs = args_.eval_interval > 0 ? args_.train_iters / args_.eval_interval + 1 : 1;
+  data_ = data::build_gpt_datasets(
+      data::GPTDataOptions()
+          .blend(data::parse_data_path(args_.data_path))
+          .seq_length(args_.seq_length)
+          .seed(args_.seed)
+          .split(args_.split)
+          .num_samples({args_.train_iters * args_.global_batch_size, eval_runs * args_.eval_iters * args_.global_batch_size,
+                        args_.eval_iters * args_.global_batch_size}));
+  if (!args_.load.empty()) load_checkpoint();
+  if (is_logging_rank()) {
+    std::printf("[megatorch] gpt_pretrain: world %ld = tp %ld x pp %ld (v %ld) x dp %ld, ZeRO-%ld, %s, %ld parameters\n",
+                args_.world_size, args_.tensor_model_parallel_size, args_.pipeline_model_parallel_size,
+                args_.virtual_chunks, args_.data_parallel_size, args_.zero_stage,
+                args_.bf16 ? "bf16" : args_.fp16 ? "fp16" : "fp32", num_parameters_);
+    std::printf("[megatorch] global batch %ld = micro-batch %ld x %ld micro-batches x dp %ld; train samples %ld, "
+                "valid %ld\n",
+                args_.global_batch_size, args_.micro_batch_size, args_.num_micro_batches, args_.data_parallel_size,
+                data_.train->size(), data_.valid->size());
+    std::fflush(stdout);
+    // A resumed run appends to the log of the run it continues.
+    if (!args_.log_json.empty()) json_.open(args_.log_json, iteration_ > 0 ? std::ios::app : std::ios::trunc);
+  }
+}
+
+Trainer::~Trainer() = default;
+
+bool Trainer::is_logging_rank() const { return state_->rank() == state_->world_size() - 1; }
+
+std::vector<models::GPTModel> Trainer::chunks() const {
+  std::vector<models::GPTModel> out;
+  for (int64_t c = 0; c < stage_->num_chunks(); ++c) out.push_back(stage_->chunk(c));
+  return out;
+}
+
+// This DP rank's micro-batches of the global batch starting at `first_sample`.
+std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::SampleDataset& ds, int64_t first_sample) const {
+  const int64_t b = args_.micro_batch_size, dp = args_.data_parallel_size, s = args_.seq_length;
+  MEGATORCH_CHECK(first_sample + args_.global_batch_size <= ds.size(), "gpt_pretrain: the dataset has ", ds.size(),
+                  " samples, the run needs ", first_sample + args_.global_batch_size,
+                  "; lower --train-iters/--eval-iters or add data");
+  std::vector<pipeline::MicroBatch> out;
+  for (int64_t k = 0; k < args_.num_micro_batches; ++k) {
+    // As Megatron's sampler: each global micro-batch of b·dp samples, DP rank r taking b.
+    const int64_t first = first_sample + k * b * dp + state_->dp_rank() * b;
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < b; ++i) rows.push_back(ds.get(first + i));
+    const at::Tensor tokens = at::stack(rows);
+    out.push_back({tokens.narrow(1, 0, s).contiguous(), tokens.narrow(1, 1, s).contiguous()});
+  }
+  return out;
+}
+
+// Mean of the last stage's loss over DP, made known on every rank.
+double Trainer::reduce_loss(double local) {
+  at::Tensor l = at::tensor({state_->pp_rank() == state_->pp_size() - 1 ? local : 0.0}, at::kDouble);
+  if (state_->pp_size() > 1) comm::Group(state_->group_name(GroupKind::kPipeline)).all_reduce(l);
+  comm::Group(state_->group_name(GroupKind::kData)).all_reduce(l);
+  return l.item<double>() / static_cast<double>(args_.data_parallel_size);
+}
+
+IterationStats Trainer::train_step() {
+  const auto start = Clock::now();
+  comm::reset_comm_stats();
+  IterationStats s;
+  s.iteration = iteration_ + 1;
+  s.lr = lr_.at(iteration_);
+  optimizer_->set_lr(s.lr);
+  stage_->train();
+  const auto mbs = micro_batches(*data_.train, iteration_ * args_.global_batch_size);
+  optimizer_->zero_grad();
+  auto* opt = optimizer_.get();
+  const auto result = pipeline::run_pipeline_step(
+      stage_, mbs,
+      pipeline::ExecutorOptions()
+          .schedule(schedule_kind(args_.schedule))
+          .loss_scale(scaler_ ? scaler_->scale() : 1.0)
+          .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
+  stage_->allreduce_sequence_parallel_grads();
+  stage_->allreduce_tied_embedding_grads();
+  s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  s.skipped = !optimizer_->step();
+  s.grad_norm = optimizer_->grad_norm();
+  s.loss = reduce_loss(result.loss.defined() ? result.loss.item<double>() : 0.0);
+  ++iteration_;
+  s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!args_.timeline.empty() && iteration_ == std::min<int64_t>(2, args_.train_iters)) {
+    const auto records = pipeline::gather_timeline(
+        result, state_->pp_size() > 1 ? state_->group_name(GroupKind::kPipeline) : state_->group_name(GroupKind::kTensor));
+    if (is_logging_rank()) {
+      pipeline::TimelineSvgOptions o;
+      o.title = "gpt_pretrain iteration " + std::to_string(iteration_) + ": " + args_.schedule + ", p=" +
+                std::to_string(state_->pp_size()) + ", m=" + std::to_string(args_.num_micro_batches);
+      pipeline::write_timeline_svg(args_.timeline, records, o);
+    }
+  }
+  return s;
+}
+
+void Trainer::log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes, double tokens_per_s,
+                  double tflops) {
+  if (!is_logging_rank()) return;
+  const auto mem = optimizer_->memory_stats();
+  const int64_t rss = resident_bytes();
+  if (json_.is_open()) {
+    nlohmann::json j{{"iteration", s.iteration},   {"loss", s.loss},
+                     {"lr", s.lr},                 {"grad_norm", s.grad_norm},
+                     {"loss_scale", s.loss_scale}, {"skipped", s.skipped},
+                     {"tokens_per_s", tokens_per_s}, {"tflops_per_rank", tflops},
+                     {"ms_per_iteration", s.seconds * 1e3}, {"consumed_samples", s.iteration * args_.global_batch_size},
+                     {"comm_bytes", comm_bytes}};
+    nlohmann::json memory(mem);
+    memory["rss_bytes"] = rss;
+    j["memory_bytes"] = memory;
+    if (last_val_loss_ >= 0) j["val_loss"] = last_val_loss_;
+    json_ << j.dump() << "\n";
+    json_.flush();
+  }
+  if (s.iteration % args_.log_interval == 0 || s.iteration == args_.train_iters) {
+    std::printf("\r [%s] iteration %6ld/%6ld | consumed samples: %9ld | elapsed time per iteration (ms): %.1f | "
+                "learning rate: %.3E | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f | skipped: %d | "
+                "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)\n",
+                "megatorch", s.iteration, args_.train_iters, s.iteration * args_.global_batch_size, s.seconds * 1e3,
+                s.lr, s.loss, s.loss_scale, s.grad_norm, s.skipped ? 1 : 0, tokens_per_s, tflops, human(rss).c_str(),
+                human(mem.at("total_bytes")).c_str());
+  } else {
+    std::printf("\r  iteration %ld/%ld  loss %.4f  %.0f ms ", s.iteration, args_.train_iters, s.loss, s.seconds * 1e3);
+  }
+  std::fflush(stdout);
+}
+
+IterationStats Trainer::train() {
+  IterationStats last;
+  if (args_.eval_only) {
+    last_val_loss_ = evaluate(data::Split::kValid, args_.eval_iters);
+    if (is_logging_rank()) {
+      // Full precision: resharded checkpoints are compared by this number.
+      std::printf("[megatorch] validation loss at iteration %ld: %.12E\n", iteration_, last_val_loss_);
+      if (json_.is_open()) json_ << nlohmann::json{{"iteration", iteration_}, {"val_loss", last_val_loss_}}.dump() << "\n";
+    }
+    return last;
+  }
+  while (iteration_ < args_.train_iters) {
+    last = train_step();
+    std::map<std::string, int64_t> comm_bytes;
+    for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kData, "dp"}, {GroupKind::kPipeline, "pp"}}) {
+      comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
+    }
+    const double tokens_per_s = args_.global_batch_size * args_.seq_length / last.seconds;
+    const double tflops = tokens_per_s * flops_per_token_ / static_cast<double>(args_.world_size) / 1e12;
+    const bool eval_now = args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0;
+    if (eval_now || iteration_ == args_.train_iters) last_val_loss_ = evaluate(data::Split::kValid, args_.eval_iters);
+    log(last, comm_bytes, tokens_per_s, tflops);
+    if ((eval_now || iteration_ == args_.train_iters) && is_logging_rank()) {
+      const bool progress_line_open = iteration_ % args_.log_interval != 0 && iteration_ != args_.train_iters;
+      if (progress_line_open) std::printf("\n");
+      std::printf(" validation loss at iteration %ld | lm loss value: %.6E | lm loss PPL: %.3f\n", iteration_,
+                  last_val_loss_, std::exp(last_val_loss_));
+      std::fflush(stdout);
+    }
+    last_val_loss_ = -1;
+    if (!args_.save.empty() &&
+        ((args_.save_interval > 0 && iteration_ % args_.save_interval == 0) || iteration_ == args_.train_iters)) {
+      save_checkpoint();
+    }
+  }
+  return last;
+}
+
+// Forward only, micro-batch by micro-batch through the virtual stages in order (a
+// blocking p2p chain): the validation loss needs no schedule.
+double Trainer::forward_only_loss(const std::vector<pipeline::MicroBatch>& mbs) {
+  torch::NoGradGuard no_grad;
+  const int64_t p = state_->pp_size(), v = stage_->num_chunks(), r = state_->pp_rank();
+  std::unique_ptr<comm::Group> pp;
+  if (p > 1) pp = std::make_unique<comm::Group>(state_->group_name(GroupKind::kPipeline));
+  double sum = 0;
+  for (const auto& mb : mbs) {
+    at::Tensor h;
+    for (int64_t vs = 0; vs < p * v; ++vs) {
+      if (vs % p != r) continue;
+      auto chunk = stage_->chunk(vs / p);
+      at::Tensor input = mb.ids;
+      if (vs > 0) {
+        if (p > 1) {
+          at::Tensor buf = at::empty(stage_->activation_shape(mb.ids.size(0)), chunk->parameters().front().options());
+          pp->recv(buf, (vs - 1) % p, vs);
+          input = buf;
+        } else {
+          input = h;
+        }
+      }
+      h = chunk->forward(input);
+      if (vs == p * v - 1) {
+        sum += chunk->per_token_loss(h, mb.labels).mean().item<double>();
+      } else if (p > 1) {
+        pp->send(h.contiguous(), (vs + 1) % p, vs + 1);
+      }
+    }
+  }
+  return sum / static_cast<double>(mbs.size());
+}
+
+double Trainer::evaluate(data::Split split, int64_t iters) {
+  const auto& ds = *data_[split];
+  if (iters == 0 || ds.size() < args_.global_batch_size) return -1;
+  stage_->eval();
+  double total = 0;
+  // Each evaluation walks the split from its start, so every evaluation sees the same data.
+  for (int64_t i = 0; i < iters; ++i) total += reduce_loss(forward_only_loss(micro_batches(ds, i * args_.global_batch_size)));
+  stage_->train();
+  return total / static_cast<double>(iters);
+}
+
+// ---- checkpoints: the model by global parameter name, the optimizer state as each
+// parameter's slice of it (a ZeRO range of its TP shard), so any layout loads any other.
+
+std::vector<ckpt::ShardedEntry> Trainer::checkpoint_entries() {
+  const int64_t dp_rank = state_->dp_rank();
+  // write flags from the model entries say who writes among TP ranks and tied copies.
+  auto model = ckpt::pipeline_stage_entries(*stage_, ckpt::GPTEntriesOptions().writer(true));
+  std::vector<ckpt::ShardedEntry> out;
+  const auto& params = optimizer_->parameters();
+  std::vector<const ckpt::ShardedEntry*> of_param(params.size(), nullptr);
+  for (const auto& e : model) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (e.tensor.is_same(params[i])) of_param[i] = &e;
+    }
+  }
+  const bool sharded_state = optimizer_->options().zero_stage() >= 1;
+  for (auto shard : optimizer_->param_state_shards()) {
+    const auto* e = of_param[shard.param];
+    MEGATORCH_CHECK(e != nullptr, "gpt_pretrain: optimizer parameter ", shard.param, " has no checkpoint entry");
+    const std::string name = e->key.substr(e->key.find('/') + 1);
+    for (auto& [kind, t] : shard.tensors) {
+      ckpt::ShardedEntry o = *e;
+      o.key = "optim/" + kind + "/" + name;
+      o.begin = shard.begin;
+      o.end = shard.end;
+      o.tensor = t;
+      o.write = e->write && (sharded_state || dp_rank == 0);
+      out.push_back(std::move(o));
+    }
+  }
+  for (auto& e : model) {
+    e.write = e.write && dp_rank == 0;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+void Trainer::save_checkpoint() {
+  const auto start = Clock::now();
+  // ZeRO-3 keeps only shards: gather every unit so the model entries are readable.
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
+  ckpt::CheckpointState st;
+  st.model_config = ckpt::gpt_config_json(model_config(args_));
+  st.state = {{"iteration", iteration_},
+              {"consumed_samples", iteration_ * args_.global_batch_size},
+              {"optimizer_step", optimizer_->step_count()}};
+  if (scaler_) st.state["loss_scaler"] = scaler_->state_dict();
+  const at::Tensor rng = tp::default_generator_state(c10::kCPU);
+  st.rank_state = {{"cpu_rng", std::vector<uint8_t>(rng.data_ptr<uint8_t>(), rng.data_ptr<uint8_t>() + rng.numel())}};
+  ckpt::save_checkpoint(args_.save, iteration_, checkpoint_entries(), st, state_->group_name(GroupKind::kWorld));
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
+  if (is_logging_rank()) {
+    std::printf("\n[megatorch] saved checkpoint at iteration %ld to %s (%.2f s)\n", iteration_, args_.save.c_str(),
+                std::chrono::duration<double>(Clock::now() - start).count());
+    std::fflush(stdout);
+  }
+}
+
+bool Trainer::load_checkpoint() {
+  if (ckpt::latest_iteration(args_.load) < 0) {
+    if (is_logging_rank()) std::printf("[megatorch] no checkpoint in %s yet: starting from scratch\n", args_.load.c_str());
+    return false;
+  }
+  const auto meta = ckpt::read_metadata(args_.load);
+  bool has_optimizer = false;
+  for (const auto& t : meta.at("tensors").items()) has_optimizer |= t.key().rfind("optim/", 0) == 0;
+  auto entries = checkpoint_entries();
+  if (!has_optimizer) {
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [](const ckpt::ShardedEntry& e) { return e.key.rfind("optim/", 0) == 0; }),
+                  entries.end());
+  }
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
+  const auto loaded = ckpt::load_checkpoint(
+      args_.load, entries,
+      ckpt::LoadOptions().model_config(ckpt::gpt_shape_json(model_config(args_))).group(state_->group_name(GroupKind::kWorld)));
+  if (has_optimizer) {
+    optimizer_->copy_master_to_params();  // the fp32 masters are the exact values
+  } else {
+    optimizer_->copy_params_to_master();  // e.g. imported from HuggingFace
+  }
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
+  const auto& st = loaded.state.state;
+  iteration_ = st.value("iteration", int64_t{0});
+  if (has_optimizer) optimizer_->set_step_count(st.value("optimizer_step", iteration_));
+  if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
+  if (!loaded.state.rank_state.is_null() && loaded.state.rank_state.contains("cpu_rng")) {
+    const auto bytes = loaded.state.rank_state.at("cpu_rng").get<std::vector<uint8_t>>();
+    tp::set_default_generator_state(c10::kCPU, at::tensor(std::vector<uint8_t>(bytes)).to(at::kByte));
+  }
+  if (is_logging_rank()) {
+    std::printf("[megatorch] loaded checkpoint %s (iteration %ld, saved by %ld ranks)%s\n", loaded.path.c_str(),
+                iteration_, loaded.world_size, has_optimizer ? "" : " without optimizer state");
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+}  // namespace megatorch::train

@@ -1,0 +1,94 @@
+#pragma once
+// gpt_pretrain's command line: Megatron-LM's flag names wherever Megatron has the
+// option (so launch scripts carry over), parsed with CLI11, checked for contradictions
+// against the world size before anything else happens.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megatorch/transformer/config.h"
+
+namespace megatorch::train {
+
+struct TrainArguments {
+  // Parallelism
+  int64_t tensor_model_parallel_size = 1;
+  int64_t pipeline_model_parallel_size = 1;
+  int64_t num_layers_per_virtual_pipeline_stage = 0;  // 0: no interleaving
+  bool sequence_parallel = false;
+  std::string schedule = "1f1b";  // 1f1b | gpipe | interleaved
+  int64_t zero_stage = -1;        // -1: 1 with --use-distributed-optimizer, else 0
+  bool use_distributed_optimizer = false;
+  // Model
+  int64_t num_layers = 4;
+  int64_t hidden_size = 128;
+  int64_t ffn_hidden_size = 0;  // 0: 4h (8h/3 rounded with SwiGLU... as TransformerConfig)
+  int64_t num_attention_heads = 4;
+  bool group_query_attention = false;
+  int64_t num_query_groups = 0;
+  int64_t seq_length = 128;
+  int64_t max_position_embeddings = 0;  // 0: seq_length
+  std::string position_embedding_type = "learned_absolute";  // learned_absolute | rope
+  std::string normalization = "LayerNorm";                   // LayerNorm | RMSNorm
+  bool swiglu = false;
+  bool untie_embeddings_and_output_weights = false;
+  int64_t vocab_size = 257;  // byte-level tokenizer: 256 bytes + end of document
+  double hidden_dropout = 0.0;
+  double attention_dropout = 0.0;
+  std::string recompute_granularity;  // "" | selective | full
+  // Batches and iterations
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;  // 0: micro_batch_size · dp
+  int64_t train_iters = 100;
+  // Optimizer and learning rate
+  double lr = 3e-4;
+  double min_lr = 0.0;
+  int64_t lr_warmup_iters = 0;
+  std::string lr_decay_style = "cosine";  // constant | linear | cosine
+  int64_t lr_decay_iters = 0;              // 0: train_iters
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double clip_grad = 1.0;
+  // Mixed precision
+  bool bf16 = false;
+  bool fp16 = false;
+  double initial_loss_scale = 4294967296.0;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  // Data
+  std::vector<std::string> data_path;  // Megatron's list: [w1] p1 [w2 p2 ...]
+  std::string split = "969,30,1";
+  // Checkpoints
+  std::string save;
+  std::string load;
+  int64_t save_interval = 0;
+  // Evaluation and logging
+  int64_t eval_interval = 0;  // 0: only at the end
+  int64_t eval_iters = 4;
+  bool eval_only = false;
+  int64_t seed = 1234;
+  int64_t log_interval = 1;
+  std::string log_json;
+  std::string timeline;
+
+  // Derived by validate()
+  int64_t world_size = 1;
+  int64_t data_parallel_size = 1;
+  int64_t num_micro_batches = 1;  // per DP rank and step
+  int64_t virtual_chunks = 1;
+};
+
+// Parses argv (CLI11). Throws c10::Error with CLI11's message on unknown flags or bad
+// values; `--help` prints the usage and returns with `help_printed` set.
+TrainArguments parse_arguments(int argc, char** argv, bool* help_printed = nullptr);
+
+// Checks what only makes sense together (tp·pp dividing the world, the global batch,
+// layers over stages, fp16 vs bf16, ...) and fills in the derived fields. Throws with one
+// clear message; every rank runs it on the same input, so every rank fails alike.
+void validate(TrainArguments& args, int64_t world_size);
+
+transformer::TransformerConfig model_config(const TrainArguments& args);
+
+}  // namespace megatorch::train

@@ -1,0 +1,194 @@
+"""build/bin/gpt_pretrain end to end, as real torchrun launches on the bundled data:
+the same losses at every parallel layout, two simulated nodes, bad configurations
+failing fast, and an interrupted run resumed bit for bit."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", ROOT / "build" / "bin"))
+TRAIN = BIN / "gpt_pretrain"
+DATA = ROOT / "data" / "default" / "stdlib_docs_text_document"
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "257", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
+         "--lr-warmup-iters", "2", "--min-lr", "3e-4", "--data-path", str(DATA), "--eval-iters", "1",
+         "--log-interval", "5", "--seed", "11"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc, args, extra=(), timeout=600, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra,
+           "--no-python", str(TRAIN), *args]
+    e = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60", **(env or {}))
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    return out, time.monotonic() - start
+
+
+def losses(path):
+    return {r["iteration"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def test_same_losses_at_every_layout(tmp_path):
+    """TP2 x PP2, DP4 with ZeRO-3 and one rank: the same 20 losses (fp32, 1e-5)."""
+    runs = {
+        "tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        "dp4zero3": (4, ["--zero-stage", "3"]),
+        "single": (1, []),
+    }
+    got = {}
+    for name, (n, layout) in runs.items():
+        log = tmp_path / f"{name}.json"
+        out, _ = torchrun(n, [*MODEL, "--train-iters", "20", *layout, "--log-json", str(log)])
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        got[name] = losses(log)
+        assert sorted(got[name]) == list(range(1, 21))
+    ref = got["single"]
+    assert ref[20] < ref[1]  # it learns
+    for name in ("tp2pp2", "dp4zero3"):
+        for it, loss in ref.items():
+            assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tensor-model-parallel-size", "3"], "to divide the world size 4"),
+    (["--global-batch-size", "6"], "to be a multiple of --micro-batch-size x data-parallel size"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "2"], "expected at least one layer per pipeline stage"),
+    (["--bf16", "--fp16"], "contradict"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_configuration_fails_fast_on_every_rank(args, message):
+    base = list(MODEL)
+    for flag in args:  # the bad value replaces the good one (a flag given twice is an error)
+        if flag in base:
+            i = base.index(flag)
+            del base[i:i + 2]
+    # Under torchrun: the launch fails within seconds, naming the problem.
+    out, took = torchrun(4, [*base, "--train-iters", "2", *args], timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-3000:]
+    assert took < 60
+    # Every rank on its own (torchrun stops the others once one fails, so it cannot show
+    # this): each of the 4 exits non-zero with the message, none waits for the others.
+    port = free_port()
+    procs = [subprocess.Popen([str(TRAIN), *base, "--train-iters", "2", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
+                                       WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), MEGATORCH_COMM_TIMEOUT_S="30"))
+             for r in range(4)]
+    for p in procs:
+        _, err = p.communicate(timeout=30)
+        assert p.returncode != 0
+        assert err.count(message) == 1, err[-2000:]
+
+
+def test_two_nodes_tp_within_pp_across(tmp_path):
+    """Two torchrun launchers (--nnodes=2, c10d rendezvous on 127.0.0.1), 2 ranks each:
+    TP=2 inside a node, PP=2 across; the losses equal a one-node run's."""
+    port = free_port()
+    cmd = lambda log: [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=megatorch-2nodes",
+                       "--no-python", str(TRAIN), *MODEL, "--train-iters", "4", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", "--log-json", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60")
+    logs = [tmp_path / "node0.json", tmp_path / "node1.json"]
+    procs = [subprocess.Popen(cmd(log), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for log in logs]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+    written = [log for log in logs if log.exists()]
+    assert len(written) == 1  # only the last global rank logs
+    ref_log = tmp_path / "one_node.json"
+    out, _ = torchrun(4, [*MODEL, "--train-iters", "4", "--tensor-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2", "--log-json", str(ref_log)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert losses(written[0]) == losses(ref_log)
+
+
+def children(pid):
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_killed_rank_resumes_bit_for_bit(tmp_path):
+    """A rank is SIGKILLed mid-run; torchrun --max-restarts restarts every rank, which
+    load the last checkpoint: every logged loss equals the uninterrupted run's, bit for bit."""
+    args = [*MODEL, "--train-iters", "16", "--tensor-model-parallel-size", "2", "--zero-stage", "2",
+            "--save-interval", "3"]
+    ref_log = tmp_path / "ref.json"
+    out, _ = torchrun(4, [*args, "--save", str(tmp_path / "ref_ckpt"), "--log-json", str(ref_log)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref = losses(ref_log)
+
+    log, ckpt = tmp_path / "run.json", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
+           "--no-python", str(TRAIN), *args, "--save", str(ckpt), "--load", str(ckpt), "--log-json", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="30")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 8):
+        time.sleep(0.2)
+    workers = children(proc.pid)
+    assert workers, "no worker processes found"
+    os.kill(sorted(workers)[1], 9)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert "loaded checkpoint" in output
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["iteration"] for r in rows} == set(range(1, 17))
+    assert len(rows) > 16  # iterations after the last checkpoint ran twice
+    for r in rows:
+        assert r["loss"] == ref[r["iteration"]], r["iteration"]
+
+
+def test_checkpoint_reshards_to_other_layouts(tmp_path):
+    """Saved at TP2 x PP2 (4 ranks, ZeRO-1 optimizer state), loaded at TP1 x PP1, TP4 and
+    DP2 x ZeRO-3: the same validation loss (1e-6), and two more training steps give the
+    losses the saving layout gives — the optimizer state was resharded too."""
+    ckpt = tmp_path / "ckpt"
+    saving = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+    out, _ = torchrun(4, [*MODEL, "--train-iters", "4", *saving, "--save", str(ckpt)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    layouts = {
+        "tp2pp2": (4, saving),
+        "tp1": (1, []),
+        "tp4": (4, ["--tensor-model-parallel-size", "4"]),
+        "dp2zero3": (2, ["--zero-stage", "3"]),
+    }
+    val, cont = {}, {}
+    for name, (n, layout) in layouts.items():
+        log = tmp_path / f"{name}_eval.json"
+        out, _ = torchrun(n, [*MODEL, "--train-iters", "4", *layout, "--load", str(ckpt), "--eval-only",
+                              "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        val[name] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
+        log = tmp_path / f"{name}_cont.json"
+        out, _ = torchrun(n, [*MODEL, "--train-iters", "6", *layout, "--load", str(ckpt), "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        assert "loaded checkpoint" in out.stdout
+        cont[name] = losses(log)
+        assert sorted(cont[name]) == [5, 6]
+    for name in layouts:
+        assert val[name] == pytest.approx(val["tp2pp2"], rel=1e-6, abs=1e-6), name
+        for it in (5, 6):
+            assert cont[name][it] == pytest.approx(cont["tp2pp2"][it], rel=1e-5), (name, it)

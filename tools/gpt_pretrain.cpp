@@ -1,0 +1,23 @@
+// gpt_pretrain: GPT pretraining with TP, SP, PP and DP/ZeRO, launched by torchrun:
+//   torchrun --nproc-per-node=4 --no-python build/bin/gpt_pretrain \
+//     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --data-path data/default/... ...
+// Flags follow Megatron-LM's names (--help lists them).
+#include <torch/torch.h>
+
+#include <cstdio>
+
+#include "megatorch/train/trainer.h"
+
+int main(int argc, char** argv) {
+  try {
+    bool help = false;
+    auto args = megatorch::train::parse_arguments(argc, argv, &help);
+    if (help) return 0;
+    megatorch::train::Trainer trainer(std::move(args));
+    trainer.train();
+    return 0;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
