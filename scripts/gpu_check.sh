@@ -6,21 +6,26 @@
 #   MEGATORCH_PYTHON=python3 scripts/gpu_check.sh [OUT_DIR]
 #
 # Writes gpu_check.json (machine, torch, each step's status and seconds), gpu_tests.json
-# (pytest counts and the skip reasons), kernels.json (scripts/bench/gpu_kernels.py) and
-# gpu_check.log. Meant to finish in under 6 minutes; the benchmark step gets what is left
-# of that as its torch.compile budget.
+# (pytest counts and the skip reasons), kernels.json (scripts/bench/gpu_kernels.py),
+# gpt.json + gpt.md (scripts/bench/gpu_gpt.py: GPT training steps, megatorch against eager
+# PyTorch, torch.compile and Megatron-Core) and gpu_check.log. Meant to finish in under 8
+# minutes (MEGATORCH_GPU_CHECK_LIMIT_S, default 480): the kernel benchmark gets what is left
+# less MEGATORCH_GPT_BENCH_S (default 240) as its torch.compile budget, the GPT benchmark
+# what is left after that (at least 150 s, so its headline rows run).
 #
 # Steps run in order, each a function `step_<name>` listed in STEPS; a step that fails is
-# recorded and the next one still runs; the exit status is non-zero if any failed. A later
-# benchmark (say, GPT training throughput) appends itself: write step_gpt_bench (writing
-# $RESULTS/<name>.json) and add it to STEPS.
+# recorded and the next one still runs; the exit status is non-zero if any failed. Another
+# benchmark appends itself: write step_<name> (writing $RESULTS/<name>.json) and add it
+# to STEPS.
 #
 # Without a GPU (no CUDA device visible to that torch) it says so, still builds and runs
 # what does not need one (the kernel tests' CPU half; the GPU tests skip with their
-# reason), writes gpu_check.json with "gpu": false, and exits 0.
+# reason; the GPT benchmark's CPU fallback at toy sizes), writes gpu_check.json with
+# "gpu": false, and exits 0.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 START=$(date +%s)
-LIMIT_S=${MEGATORCH_GPU_CHECK_LIMIT_S:-360}
+LIMIT_S=${MEGATORCH_GPU_CHECK_LIMIT_S:-480}
+GPT_BENCH_S=${MEGATORCH_GPT_BENCH_S:-240}  # kept back for step_gpt_bench
 export MEGATORCH_BUILD_DIR="${MEGATORCH_BUILD_DIR:-$MT_ROOT/build-gpu}"
 export MEGATORCH_JOBS="${MEGATORCH_JOBS:-$(nproc)}"
 RESULTS="${1:-${OUT:-$MEGATORCH_BUILD_DIR/results}}"
@@ -32,7 +37,7 @@ LOG="$RESULTS/gpu_check.log"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$MT_ROOT/torch_ext${PYTHONPATH:+:$PYTHONPATH}"
 export MEGATORCH_LIBRARY="$MEGATORCH_BUILD_DIR/lib/libmegatorch.so" MEGATORCH_BIN_DIR="$MEGATORCH_BUILD_DIR/bin"
 
-STEPS=(env build gpu_tests kernel_bench)
+STEPS=(env build gpu_tests kernel_bench gpt_bench)
 GPU=false
 elapsed() { echo $(( $(date +%s) - START )); }
 
@@ -72,10 +77,11 @@ step_build() {
     return 1
   fi
   [[ $found == /usr/include ]] || export CPLUS_INCLUDE_PATH="$found${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
-  # The library is all the GPU tests and benchmarks load (no Catch2 or examples needed).
+  # The library and its Python extension (megatorch.cpp, for the GPT benchmark) are all the
+  # GPU tests and benchmarks load (no Catch2 or examples needed).
   local configure=()
   [[ -f "$MEGATORCH_BUILD_DIR/build.ninja" ]] || configure=(-DMEGATORCH_BUILD_TESTS=OFF -DMEGATORCH_BUILD_EXAMPLES=OFF)
-  MEGATORCH_TARGETS="megatorch" "$MT_ROOT/scripts/build.sh" "${configure[@]}"
+  MEGATORCH_TARGETS="megatorch megatorch_cpp" "$MT_ROOT/scripts/build.sh" "${configure[@]}"
 }
 
 step_gpu_tests() {
@@ -103,9 +109,19 @@ EOF
 }
 
 step_kernel_bench() {
-  local left=$(( LIMIT_S - $(elapsed) - 60 ))  # torch.compile budget: what is left, less a margin
+  # torch.compile budget: what is left, less a margin and the GPT benchmark's share
+  local left=$(( LIMIT_S - $(elapsed) - 60 - GPT_BENCH_S ))
   (( left < 0 )) && left=0
   "$PY" "$MT_ROOT/scripts/bench/gpu_kernels.py" --out "$RESULTS/kernels.json" --budget-s "$left"
+}
+
+step_gpt_bench() {
+  # GPT training steps at ~1.3B and ~350M, sequence 2048, bf16: megatorch, eager PyTorch,
+  # torch.compile, Megatron-Core (local layers); tokens/s, TFLOP/s, MFU, peak memory.
+  # Without a GPU: its CPU fallback at toy sizes (says so; the numbers are not GPU numbers).
+  local left=$(( LIMIT_S - $(elapsed) - 10 ))
+  (( left < 150 )) && left=150
+  "$PY" "$MT_ROOT/scripts/bench/gpu_gpt.py" --out "$RESULTS/gpt.json" --budget-s "$left"
 }
 
 # ---- run them
