@@ -456,7 +456,6 @@ std::map<std::string, int64_t> DistributedOptimizer::memory_stats() const {
     m["optimizer_state_bytes"] += owned_used * 4 * states;
     m["padding_bytes"] += owned_pad * 4 * states;
   }
-  (void)dp;
   int64_t total = 0;
   for (const auto& [k, v] : m) total += v;
   m["total_bytes"] = total;

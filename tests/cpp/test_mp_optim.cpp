@@ -199,6 +199,35 @@ TEST_CASE("Bytes held per rank equal the ZeRO table exactly; bytes moved are 2Ψ
   }
 }
 
+TEST_CASE("Padding to bucket boundaries is reported apart and bounded by d - 1 elements per bucket", "[mp][optim]") {
+  const int64_t d = mp::world_size();
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    INFO("zero stage " << stage);
+    // fp32, small buckets, odd sizes: several buckets needing padding to a multiple of d.
+    auto config = small_config();
+    config.hidden_size(36).ffn_hidden_size(37);
+    auto s = make(config, 1, stage, "optim_pad_" + std::to_string(stage),
+                  DistributedOptimizerOptions().bucket_size(3001));
+    const auto& buckets = s.opt->layout().buckets;
+    int64_t pad_elements = 0;
+    for (const auto& b : buckets) {
+      CHECK(b.numel % d == 0);
+      CHECK(b.numel - b.used < d);
+      pad_elements += b.numel - b.used;
+    }
+    INFO(buckets.size() << " buckets, " << pad_elements << " padding elements");
+    if (d > 1) REQUIRE(pad_elements > 0);
+    const auto m = s.opt->memory_stats();
+    // Per padded element at most: parameter 4 + gradient 4 + Adam's two fp32 states 8.
+    CHECK(m.at("padding_bytes") <= pad_elements * 16);
+    CHECK(m.at("padding_bytes") <= static_cast<int64_t>(buckets.size()) * (d - 1) * 16);
+    if (stage == 0 && d > 1) CHECK(m.at("padding_bytes") == pad_elements * 16);  // everything replicated
+    int64_t psi = 0;
+    for (const auto& p : s.model->parameters()) psi += p.numel();
+    if (stage == 0) CHECK(m.at("total_bytes") - m.at("padding_bytes") == 16 * psi);
+  }
+}
+
 TEST_CASE("Megatron's distributed-optimizer bytes per parameter: bf16 with fp32 gradients, and fp32", "[mp][optim]") {
   const int64_t d = mp::world_size();
   for (auto dtype : {torch::kBFloat16, torch::kFloat}) {
