@@ -304,15 +304,28 @@ bool DistributedOptimizer::found_overflow() {
 double DistributedOptimizer::global_grad_norm() {
   // Each parameter counted once: only the owned range of each bucket, only parameters
   // marked counted_in_norm (not a TP-replicated copy on tp rank > 0, not a tied copy).
-  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(params_[0].device()).dtype(at::kDouble));
+  // Norms of contiguous fp32 slices (vectorised, no copies), their squares summed in double.
+  at::Tensor sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(params_[0].device()));
+  const auto add = [&sum](const at::Tensor& g) {
+    const at::Tensor n = at::linalg_vector_norm(g, 2);
+    sum += (n * n).to(at::kDouble);
+  };
   for (size_t b = 0; b < state_->buckets.size(); ++b) {
     const auto& bs = state_->buckets[b];
+    const auto& place = layout_.buckets[b];
     const auto [begin, len] = owned_range(static_cast<int64_t>(b));
-    for (int64_t i : layout_.buckets[b].params) {
+    const bool all_counted = std::all_of(place.params.begin(), place.params.end(),
+                                         [this](int64_t i) { return info_[i].counted_in_norm; });
+    if (all_counted) {  // the common case: one norm over the owned, used part of the bucket
+      const auto [lo, n] = overlap(0, place.used, begin, len);
+      if (n > 0) add(bs.grad_shard.narrow(0, lo - begin, n));
+      continue;
+    }
+    for (int64_t i : place.params) {
       if (!info_[i].counted_in_norm) continue;
       const auto& pp = layout_.params[i];
       const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
-      if (n > 0) sum += bs.grad_shard.narrow(0, lo - begin, n).to(at::kDouble).pow(2).sum();
+      if (n > 0) add(bs.grad_shard.narrow(0, lo - begin, n));
     }
   }
   for (const auto& g : reduction_groups(options_, dp_)) comm::Group(g).all_reduce(sum);

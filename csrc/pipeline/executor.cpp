@@ -121,7 +121,8 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         break;
       }
       case ActionKind::kForward: {
-        const auto start = Clock::now();
+        // Compute starts once the input is here: waiting on the receive is bubble, not work.
+        auto start = Clock::now();
         models::GPTModel model = stage->chunk(a.chunk);
         Stash s;
         at::Tensor input;
@@ -133,6 +134,7 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
           s.input = input;
         } else {
           recv_act.at(key).wait();
+          start = Clock::now();
           recv_act.erase(key);
           input = recv_act_buf.at(key).requires_grad_(true);
           recv_act_buf.erase(key);
@@ -160,7 +162,7 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         break;
       }
       case ActionKind::kBackward: {
-        const auto start = Clock::now();
+        auto start = Clock::now();
         free_sent_outputs(false);
         Stash& s = stash.at(key);
         if (options.before_backward()) options.before_backward()(--backwards_left == 0);
@@ -170,6 +172,7 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
           backward_from(s.output, stash.at({a.microbatch, a.chunk + 1}).input.grad());
         } else {
           recv_grad.at(key).wait();
+          start = Clock::now();
           recv_grad.erase(key);
           backward_from(s.output, recv_grad_buf.at(key));
           recv_grad_buf.erase(key);

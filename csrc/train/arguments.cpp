@@ -139,6 +139,8 @@ void validate(TrainArguments& a, int64_t world) {
   MEGATORCH_CHECK(a.log_interval >= 1 && a.eval_iters >= 0 && a.save_interval >= 0 && a.eval_interval >= 0,
                   "gpt_pretrain: expected --log-interval >= 1 and non-negative --eval-iters / --save-interval / --eval-interval");
   MEGATORCH_CHECK(!a.eval_only || !a.load.empty(), "gpt_pretrain: --eval-only needs --load");
+  MEGATORCH_CHECK(!a.eval_only || a.eval_iters > 0, "gpt_pretrain: --eval-only needs --eval-iters > 0, got ",
+                  a.eval_iters);
   MEGATORCH_CHECK(a.save_interval == 0 || !a.save.empty(), "gpt_pretrain: --save-interval needs --save DIR");
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
   // The model's own checks (heads, hidden, ffn, seq divisible by tp...) with the same clarity.

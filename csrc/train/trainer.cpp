@@ -258,7 +258,8 @@ IterationStats Trainer::train() {
     const bool eval_now = args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0;
     if (eval_now || iteration_ == args_.train_iters) last_val_loss_ = evaluate(data::Split::kValid, args_.eval_iters);
     log(last, comm_bytes, tokens_per_s, tflops);
-    if ((eval_now || iteration_ == args_.train_iters) && is_logging_rank()) {
+    // A negative loss means nothing was evaluated (--eval-iters 0, or a split too small).
+    if ((eval_now || iteration_ == args_.train_iters) && last_val_loss_ >= 0 && is_logging_rank()) {
       const bool progress_line_open = iteration_ % args_.log_interval != 0 && iteration_ != args_.train_iters;
       if (progress_line_open) std::printf("\n");
       std::printf(" validation loss at iteration %ld | lm loss value: %.6E | lm loss PPL: %.3f\n", iteration_,
