@@ -19,5 +19,8 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace());
     return 1;
+  } catch (const std::exception& e) {  // e.g. a malformed JSON file from a checkpoint
+    std::fprintf(stderr, "megatorch: gpt_pretrain: %s\n", e.what());
+    return 1;
   }
 }

@@ -272,7 +272,23 @@ void DistributedOptimizer::finish_grad_sync() {
   }
 }
 
+// In-flight work of an abandoned backward (a step that was not taken) and prefetches no
+// forward or backward consumed: waited for and dropped, so nothing stale is used later
+// and no collective writes into a buffer being zeroed or updated.
+void DistributedOptimizer::drain_in_flight() {
+  for (auto& bs : state_->buckets) {
+    bs.work.wait();  // a no-op when nothing is in flight
+    bs.work = comm::Work();
+    bs.launched = false;
+    bs.ready = 0;
+    if (bs.prefetch) bs.prefetch->wait();
+    bs.prefetch.reset();
+  }
+  std::fill(state_->unit_ready.begin(), state_->unit_ready.end(), 0);
+}
+
 void DistributedOptimizer::zero_grad() {
+  drain_in_flight();
   for (auto& bs : state_->buckets) {
     bs.grad_shard.zero_();
     if (options_.zero_stage() < 2) bs.grad_full.zero_();
@@ -334,6 +350,11 @@ double DistributedOptimizer::global_grad_norm() {
 
 bool DistributedOptimizer::step() {
   finish_grad_sync();
+  // A unit prefetched but never gathered this step would otherwise hold pre-update values.
+  for (auto& bs : state_->buckets) {
+    if (bs.prefetch) bs.prefetch->wait();
+    bs.prefetch.reset();
+  }
   double grad_scale = 1.0;  // unscale and clip in one multiply
   skipped_ = false;
   if (const auto& scaler = options_.loss_scaler()) {

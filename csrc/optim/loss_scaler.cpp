@@ -24,7 +24,7 @@ bool DynamicLossScaler::update(bool found_inf) {
     if (--hysteresis_tracker_ <= 0) scale_ = std::max(scale_ * options_.backoff_factor(), options_.min_scale());
     return true;
   }
-  if (++growth_tracker_ == options_.growth_interval()) {
+  if (++growth_tracker_ >= options_.growth_interval()) {
     growth_tracker_ = 0;
     hysteresis_tracker_ = options_.hysteresis();
     scale_ *= options_.growth_factor();

@@ -29,11 +29,11 @@ ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks
 
 void attach_unit_hooks(const std::vector<models::GPTModel>& chunks, DistributedOptimizer& optimizer) {
   if (optimizer.options().zero_stage() != 3) return;
-  auto hooks = optimizer.unit_hooks();
   int64_t first = 0;
   for (models::GPTModel chunk : chunks) {  // a copy of the handle: the module is not const
-    chunk->set_unit_hooks(hooks, first);
-    first += 1 + static_cast<int64_t>(chunk->layers->size());
+    const int64_t last = first + static_cast<int64_t>(chunk->layers->size());
+    chunk->set_unit_hooks(optimizer.unit_hooks(first, last), first);
+    first = last + 1;
   }
 }
 

@@ -4,48 +4,60 @@
 // (DistributedOptimizer::on_grad_ready).
 #include <torch/autograd.h>
 
+#include "megatorch/check.h"
 #include "megatorch/optim/distributed_optimizer.h"
 
 namespace megatorch::optim {
 namespace {
 
-// Identity whose backward gathers a unit before autograd runs the unit's backward.
+// Identity whose backward gathers a unit before autograd runs the unit's backward, and
+// prefetches the unit whose backward comes next.
 struct GatherBeforeBackward : torch::autograd::Function<GatherBeforeBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t optimizer, int64_t unit) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t optimizer, int64_t unit,
+                            int64_t next) {
     ctx->saved_data["optimizer"] = optimizer;
     ctx->saved_data["unit"] = unit;
+    ctx->saved_data["next"] = next;
     return x.view_as(x);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto* opt = reinterpret_cast<DistributedOptimizer*>(ctx->saved_data["optimizer"].toInt());
-    const int64_t unit = ctx->saved_data["unit"].toInt();
-    opt->gather_unit(unit);
-    // Backward visits the layers last to first; the root unit (0) comes first of all.
-    opt->prefetch_unit(unit == 0 ? opt->num_units() - 1 : unit - 1 >= 1 ? unit - 1 : -1);
-    return {grads[0], at::Tensor(), at::Tensor()};
+    opt->gather_unit(ctx->saved_data["unit"].toInt());
+    opt->prefetch_unit(ctx->saved_data["next"].toInt());
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// The hooks of one chunk: its root unit `first` (embedding, final norm, head), then its
+// layers first+1..last. Forward runs root, layers in order, root (the head); backward the
+// root (head), layers last to first, root (embedding). Prefetches stay inside the chunk:
+// under interleaving the next chunk to run is the schedule's choice, not this one's.
 class Zero3UnitHooks : public models::UnitHooks {
  public:
-  explicit Zero3UnitHooks(DistributedOptimizer* opt) : opt_(opt) {}
+  Zero3UnitHooks(DistributedOptimizer* opt, int64_t first, int64_t last) : opt_(opt), first_(first), last_(last) {}
   void before_forward(int64_t unit) override {
     opt_->gather_unit(unit);
-    if (unit + 1 < opt_->num_units()) opt_->prefetch_unit(unit + 1);
+    if (unit + 1 <= last_) opt_->prefetch_unit(unit + 1);
   }
   at::Tensor after_forward(int64_t unit, const at::Tensor& output) override {
     opt_->release_unit(unit);
     if (!output.requires_grad() || !at::GradMode::is_enabled()) return output;
-    return GatherBeforeBackward::apply(output, reinterpret_cast<int64_t>(opt_), unit);
+    const int64_t next = unit == first_ ? last_ : unit - 1 > first_ ? unit - 1 : -1;
+    return GatherBeforeBackward::apply(output, reinterpret_cast<int64_t>(opt_), unit, next);
   }
 
  private:
   DistributedOptimizer* opt_;
+  int64_t first_, last_;
 };
 
 }  // namespace
 
-std::shared_ptr<models::UnitHooks> DistributedOptimizer::unit_hooks() { return std::make_shared<Zero3UnitHooks>(this); }
+std::shared_ptr<models::UnitHooks> DistributedOptimizer::unit_hooks(int64_t first, int64_t last) {
+  MEGATORCH_CHECK(0 <= first && first <= last && last < num_units(), "DistributedOptimizer::unit_hooks: expected ",
+                  "0 <= first <= last < ", num_units(), " (the units of one chunk), got ", first, "..", last);
+  return std::make_shared<Zero3UnitHooks>(this, first, last);
+}
 
 }  // namespace megatorch::optim

@@ -143,6 +143,9 @@ void validate(TrainArguments& a, int64_t world) {
                   a.eval_iters);
   MEGATORCH_CHECK(a.save_interval == 0 || !a.save.empty(), "gpt_pretrain: --save-interval needs --save DIR");
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
+  MEGATORCH_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters < a.lr_decay_iters,
+                  "gpt_pretrain: expected 0 <= --lr-warmup-iters < --lr-decay-iters (or --train-iters), got ",
+                  a.lr_warmup_iters, " and ", a.lr_decay_iters);
   // The model's own checks (heads, hidden, ffn, seq divisible by tp...) with the same clarity.
   model_config(a).validate(tp);
 }

@@ -86,7 +86,8 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           .clip_grad(args_.clip_grad)
           .loss_scaler(scaler_)
           .model_parallel_groups(model_groups)
-          // SP partial sums and tied-embedding gradients are summed before the DP
+          // SP partial sums (SP) and the tied embedding's two copies (first and last
+          // stage, summed after the schedule whenever PP > 1) must be summed before the DP
           // reduction, so with either the reduction waits for the end of backward.
           .overlap_grad_reduce(args_.pipeline_model_parallel_size == 1 && !args_.sequence_parallel),
       params.info);

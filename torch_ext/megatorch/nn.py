@@ -155,7 +155,7 @@ class FullyShard(nn.Module):
     Units are the direct children of ``module`` that have parameters (or ``units``),
     plus the root unit (the parameters left over). Each unit is all-gathered right before
     its forward, freed after it, gathered again before its backward and freed once its
-    gradients are reduce-scattered; the next unit is prefetched. Until an optimizer is
+    gradients have all been accumulated; the next unit is prefetched. Until an optimizer is
     attached the wrapper is a plain pass-through.
     """
 

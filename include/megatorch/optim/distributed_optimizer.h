@@ -18,7 +18,8 @@
 // When the last micro-batch's backward has produced all of a bucket's gradients, its
 // collective starts asynchronously (set_grad_sync(true), the default; turn it off for
 // all but the last micro-batch); step() waits for all of them. Averaging over DP is a
-// scale by 1/d followed by a sum, exact on every backend.
+// scale by 1/d followed by a sum: the same on every backend (Gloo has no AVG), exact
+// for power-of-two d.
 #include <ATen/Tensor.h>
 #include <torch/arg.h>
 
@@ -128,7 +129,9 @@ class DistributedOptimizer {
   void prefetch_unit(int64_t unit);
   // Hooks for models::GPTModelImpl::set_unit_hooks: gather before each unit's forward and
   // backward, free after each (the unit indices are those of `units`).
-  std::shared_ptr<models::UnitHooks> unit_hooks();
+  // `first`..`last`: the units of one model chunk (its root unit, then its layers), so
+  // prefetching stays inside the chunk that runs next.
+  std::shared_ptr<models::UnitHooks> unit_hooks(int64_t first, int64_t last);
 
   const BucketLayout& layout() const { return layout_; }
   const std::vector<at::Tensor>& parameters() const { return params_; }
@@ -148,6 +151,7 @@ class DistributedOptimizer {
   void on_grad_ready(int64_t param);
   void start_bucket(int64_t bucket);
   void finish_grad_sync();
+  void drain_in_flight();
   bool found_overflow();
   double global_grad_norm();
   void update_shards(double grad_scale);

@@ -38,7 +38,7 @@ class Trainer {
   ~Trainer();
 
   // Runs from the current iteration to --train-iters (evaluating, logging and saving on
-  // their intervals), then evaluates once more. Returns the last iteration's stats.
+  // their intervals; the last iteration always evaluates and, with --save, saves). Returns the last iteration's stats.
   IterationStats train();
   IterationStats train_step();
   // Mean loss over `iters` global batches of a split (every rank gets it).

@@ -42,10 +42,14 @@ def losses(path):
 
 
 def test_same_losses_at_every_layout(tmp_path):
-    """TP2 x PP2, DP4 with ZeRO-3 and one rank: the same 20 losses (fp32, 1e-5)."""
+    """TP2 x PP2, DP4 with ZeRO-3, PP2 interleaved x DP2 with ZeRO-3 and one rank: the same
+    20 losses (fp32, 1e-5)."""
     runs = {
         "tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         "dp4zero3": (4, ["--zero-stage", "3"]),
+        # ZeRO-3 units gathered by the hooks of two model chunks per stage, interleaved.
+        "pp2v2dp2zero3": (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                               "--zero-stage", "3"]),
         "single": (1, []),
     }
     got = {}
@@ -57,7 +61,7 @@ def test_same_losses_at_every_layout(tmp_path):
         assert sorted(got[name]) == list(range(1, 21))
     ref = got["single"]
     assert ref[20] < ref[1]  # it learns
-    for name in ("tp2pp2", "dp4zero3"):
+    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3"):
         for it, loss in ref.items():
             assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
 
