@@ -5,6 +5,7 @@ Each layer holds only its shard and takes the tensor-parallel group (a
 existing ``nn.Linear`` / ``nn.Embedding`` so a model can be converted layer by layer.
 Activations use Megatron's [s, b, h] layout when ``sequence_parallel`` is on.
 """
+import collections
 from typing import Optional, Union
 
 import torch
@@ -148,12 +149,27 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 
+def _called_children_with_parameters(module: nn.Module) -> list:
+    """The children a forward calls, containers expanded: ModuleList and ModuleDict hold
+    modules but are never called, so forward hooks on them would never run."""
+    out = []
+    for m in module.children():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            out.extend(_called_children_with_parameters(m))
+        elif any(True for _ in m.parameters()):
+            out.append(m)
+    return out
+
+
 class FullyShard(nn.Module):
     """ZeRO-3 from Python: wraps ``module`` so that a DistributedOptimizer with
     ``zero_stage=3`` keeps only its shard of each unit's parameters between uses.
 
-    Units are the direct children of ``module`` that have parameters (or ``units``),
-    plus the root unit (the parameters left over). Each unit is all-gathered right before
+    Units are the children of ``module`` that have parameters, with ``nn.ModuleList`` /
+    ``nn.ModuleDict`` containers (never called themselves) replaced by their elements, or
+    the modules given as ``units``; the root unit holds the parameters left over and any
+    parameter shared by two units (a tied embedding and head), gathered for the whole
+    forward and backward. Each unit is all-gathered right before
     its forward, freed after it, gathered again before its backward and freed once its
     gradients have all been accumulated; the next unit is prefetched. Until an optimizer is
     attached the wrapper is a plain pass-through.
@@ -163,14 +179,15 @@ class FullyShard(nn.Module):
         super().__init__()
         self.module = module
         self.group = _group_name(group)
-        unit_modules = units if units is not None else [m for m in module.children() if any(True for _ in m.parameters())]
-        seen = set()
-        self._units = [[]]  # unit 0: the root
-        for m in unit_modules:
-            ps = [p for p in m.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in ps)
-            self._units.append(ps)
-        self._units[0] = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+        unit_modules = list(units) if units is not None else _called_children_with_parameters(module)
+        # A parameter in two units (tied weights) would be freed by one while the other
+        # still needs it: it goes to the root unit instead.
+        uses = collections.Counter(id(p) for m in unit_modules for p in m.parameters())
+        own = [[p for p in m.parameters() if p.requires_grad and uses[id(p)] == 1] for m in unit_modules]
+        unit_modules = [m for m, ps in zip(unit_modules, own) if ps]  # nothing of its own: no unit
+        self._units = [[]] + [ps for ps in own if ps]  # unit 0: the root
+        in_units = {id(p) for u in self._units for p in u}
+        self._units[0] = [p for p in module.parameters() if p.requires_grad and id(p) not in in_units]
         self._opt = None
         for i, p in enumerate(q for u in self._units for q in u):
             p._megatorch_fully_shard = self

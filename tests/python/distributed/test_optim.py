@@ -84,3 +84,55 @@ def test_state_dict_round_trip_and_errors():
         DistributedOptimizer(make_model().parameters(), group, zero_stage=5)
     with pytest.raises(ValueError, match="FullyShard"):
         DistributedOptimizer(make_model().parameters(), group, zero_stage=3)
+
+
+class TinyLM(nn.Module):
+    """The usual GPT layout: blocks in a ModuleList (never called itself) and the head
+    tied to the embedding (one parameter used by two modules)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def test_fully_shard_module_list_and_tied_weights():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+
+    def batch(step):
+        g = torch.Generator().manual_seed(200 + step)
+        ids = torch.randint(0, 11, (2 * world, 5), generator=g)
+        return ids, ids.roll(1, dims=1)
+
+    ref = TinyLM()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    model = FullyShard(TinyLM(), group)
+    # Units: the root (holding the tied weight, the embedding's and the head's only
+    # parameter, so neither is a unit), the three blocks, the norm.
+    assert len(model._units) == 1 + 3 + 1
+    assert [p.shape for p in model._units[0]] == [torch.Size([11, 8])]
+    opt = DistributedOptimizer(model.parameters(), group, zero_stage=3, lr=LR, weight_decay=WD, bucket_size=50)
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(ids).flatten(0, 1), labels.flatten()).backward()
+        ref_opt.step()
+        rows = slice(2 * rank, 2 * rank + 2)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids[rows]).flatten(0, 1), labels[rows].flatten()).backward()
+        assert opt.step()
+    for u in range(len(model._units)):
+        opt._opt.gather_unit(u)
+    for (name, got), want in zip(model.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
