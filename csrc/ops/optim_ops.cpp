@@ -54,6 +54,23 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
                     params_.size(), " parameters, got ", total);
     unit_sizes_ = std::move(sizes);
   }
+  // Groups the model is split over (TP, PP): the overflow flag and the gradient norm are
+  // reduced over them too, so every rank clips and skips alike.
+  void set_model_parallel_groups(std::vector<std::string> groups) {
+    MEGATORCH_CHECK(!opt_, "DistributedOptimizer.set_model_parallel_groups: expected before the first use");
+    options_.model_parallel_groups(std::move(groups));
+  }
+  // Per parameter (in the list's order): counted in the global norm (false for a copy
+  // another rank also holds: a TP-replicated norm weight on tp rank > 0, a tied copy), and
+  // weight-decayed.
+  void set_param_info(const c10::List<bool>& counted_in_norm, const c10::List<bool>& weight_decay) {
+    MEGATORCH_CHECK(!opt_, "DistributedOptimizer.set_param_info: expected before the first use");
+    MEGATORCH_CHECK(counted_in_norm.size() == params_.size() && weight_decay.size() == params_.size(),
+                    "DistributedOptimizer.set_param_info: expected ", params_.size(), " flags each (one per parameter), "
+                    "got ", counted_in_norm.size(), " and ", weight_decay.size());
+    info_.resize(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) info_[i] = {counted_in_norm[i], weight_decay[i]};
+  }
   optim::DistributedOptimizer& get() {
     if (!opt_) {
       std::vector<std::vector<at::Tensor>> units;
@@ -63,7 +80,7 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
         units.emplace_back(params_.begin() + next, params_.begin() + next + s);
         next += s;
       }
-      opt_ = std::make_unique<optim::DistributedOptimizer>(std::move(units), group_, options_);
+      opt_ = std::make_unique<optim::DistributedOptimizer>(std::move(units), group_, options_, info_);
     }
     return *opt_;
   }
@@ -89,6 +106,7 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
   std::string group_;
   optim::DistributedOptimizerOptions options_;
   std::vector<int64_t> unit_sizes_;
+  std::vector<optim::ParamInfo> info_;
   std::unique_ptr<optim::DistributedOptimizer> opt_;
 };
 
@@ -101,6 +119,8 @@ TORCH_LIBRARY_FRAGMENT(megatorch, m) {
       .def(torch::init<std::vector<at::Tensor>, std::string, int64_t, double, double, double, double, double>())
       .def("configure", &DistributedOptimizerClass::configure)
       .def("set_units", &DistributedOptimizerClass::set_units)
+      .def("set_model_parallel_groups", &DistributedOptimizerClass::set_model_parallel_groups)
+      .def("set_param_info", &DistributedOptimizerClass::set_param_info)
       .def("build", [](const Self& self) { self->get(); })
       .def("step", [](const Self& self) { return self->get().step(); })
       .def("zero_grad", [](const Self& self) { self->get().zero_grad(); })

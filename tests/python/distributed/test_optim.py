@@ -136,3 +136,26 @@ def test_fully_shard_module_list_and_tied_weights():
         opt._opt.gather_unit(u)
     for (name, got), want in zip(model.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_model_parallel_groups_and_counted_in_norm():
+    """Each rank its own data-parallel group, the world as a model-parallel group holding
+    replicated copies (as TP replicates norms): counted once, the global norm equals the
+    one-process norm; counted on every rank it would be sqrt(world) times larger."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    x, y = global_batch(0, 1)
+    ref = make_model()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
+    for counted, factor in ((rank == 0, 1.0), (True, world ** 0.5)):
+        model = make_model()
+        params = list(model.parameters())
+        opt = DistributedOptimizer(params, alone, lr=LR, model_parallel_groups=[dist.group.WORLD],
+                                   counted_in_norm=[counted] * len(params), decay=[p.dim() > 1 for p in params])
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.grad_norm() == pytest.approx(want * factor, rel=1e-5)
+    with pytest.raises(ValueError, match="one counted_in_norm flag per parameter"):
+        DistributedOptimizer(make_model().parameters(), alone, counted_in_norm=[True])
