@@ -37,6 +37,13 @@ int64_t resident_bytes() {
   return rss * 4096;
 }
 
+// Generator states as JSON-able bytes and back (they are small uint8 tensors).
+std::vector<uint8_t> state_bytes(const at::Tensor& state) {
+  const at::Tensor s = state.contiguous();
+  return {s.data_ptr<uint8_t>(), s.data_ptr<uint8_t>() + s.numel()};
+}
+at::Tensor state_tensor(const nlohmann::json& bytes) { return at::tensor(bytes.get<std::vector<uint8_t>>()).to(at::kByte); }
+
 std::string human(double bytes) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
@@ -368,8 +375,12 @@ void Trainer::save_checkpoint() {
               {"consumed_samples", iteration_ * args_.global_batch_size},
               {"optimizer_step", optimizer_->step_count()}};
   if (scaler_) st.state["loss_scaler"] = scaler_->state_dict();
-  const at::Tensor rng = tp::default_generator_state(c10::kCPU);
-  st.rank_state = {{"cpu_rng", std::vector<uint8_t>(rng.data_ptr<uint8_t>(), rng.data_ptr<uint8_t>() + rng.numel())}};
+  // The default generator and the TP tracker's streams (dropout inside TP regions): a
+  // resumed run draws the same masks as an uninterrupted one.
+  st.rank_state = {{"cpu_rng", state_bytes(tp::default_generator_state(c10::kCPU))}};
+  if (const auto& tracker = stage_->chunk(0)->options.rng()) {
+    for (const auto& [name, state] : tracker->snapshot().states) st.rank_state["rng_streams"][name] = state_bytes(state);
+  }
   ckpt::save_checkpoint(args_.save, iteration_, checkpoint_entries(), st, state_->group_name(GroupKind::kWorld));
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
   if (is_logging_rank()) {
@@ -407,9 +418,15 @@ bool Trainer::load_checkpoint() {
   iteration_ = st.value("iteration", int64_t{0});
   if (has_optimizer) optimizer_->set_step_count(st.value("optimizer_step", iteration_));
   if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
-  if (!loaded.state.rank_state.is_null() && loaded.state.rank_state.contains("cpu_rng")) {
-    const auto bytes = loaded.state.rank_state.at("cpu_rng").get<std::vector<uint8_t>>();
-    tp::set_default_generator_state(c10::kCPU, at::tensor(std::vector<uint8_t>(bytes)).to(at::kByte));
+  const auto& rank_state = loaded.state.rank_state;  // null unless the layout is the same
+  if (!rank_state.is_null() && rank_state.contains("cpu_rng")) {
+    tp::set_default_generator_state(c10::kCPU, state_tensor(rank_state.at("cpu_rng")));
+    const auto& tracker = stage_->chunk(0)->options.rng();
+    if (tracker && rank_state.contains("rng_streams")) {
+      tp::RngTracker::Snapshot snap{tp::default_generator_state(c10::kCPU), {}};
+      for (const auto& [name, bytes] : rank_state.at("rng_streams").items()) snap.states[name] = state_tensor(bytes);
+      tracker->restore(snap);
+    }
   }
   if (is_logging_rank()) {
     std::printf("[megatorch] loaded checkpoint %s (iteration %ld, saved by %ld ranks)%s\n", loaded.path.c_str(),

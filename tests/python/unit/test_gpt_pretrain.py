@@ -138,8 +138,9 @@ def children(pid):
 def test_killed_rank_resumes_bit_for_bit(tmp_path):
     """A rank is SIGKILLed mid-run; torchrun --max-restarts restarts every rank, which
     load the last checkpoint: every logged loss equals the uninterrupted run's, bit for bit."""
+    # Dropout on: the default generator and the TP tracker's streams resume too.
     args = [*MODEL, "--train-iters", "16", "--tensor-model-parallel-size", "2", "--zero-stage", "2",
-            "--save-interval", "3"]
+            "--save-interval", "3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     ref_log = tmp_path / "ref.json"
     out, _ = torchrun(4, [*args, "--save", str(tmp_path / "ref_ckpt"), "--log-json", str(ref_log)])
     assert out.returncode == 0, out.stderr[-3000:]
