@@ -179,7 +179,7 @@ IterationStats Trainer::train_step() {
   comm::reset_comm_stats();
   IterationStats s;
   s.iteration = iteration_ + 1;
-  s.lr = lr_.at(iteration_);
+  s.lr = lr_.at(lr_step_);
   optimizer_->set_lr(s.lr);
   stage_->train();
   const auto mbs = micro_batches(*data_.train, iteration_ * args_.global_batch_size);
@@ -195,7 +195,9 @@ IterationStats Trainer::train_step() {
   stage_->allreduce_tied_embedding_grads();
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   s.skipped = !optimizer_->step();
-  s.grad_norm = optimizer_->grad_norm();
+  // A skipped step computed no norm worth reporting (Megatron logs none).
+  s.grad_norm = s.skipped ? std::nan("") : optimizer_->grad_norm();
+  if (!s.skipped) ++lr_step_;
   s.loss = reduce_loss(result.loss.defined() ? result.loss.item<double>() : 0.0);
   ++iteration_;
   s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -373,7 +375,8 @@ void Trainer::save_checkpoint() {
   st.model_config = ckpt::gpt_config_json(model_config(args_));
   st.state = {{"iteration", iteration_},
               {"consumed_samples", iteration_ * args_.global_batch_size},
-              {"optimizer_step", optimizer_->step_count()}};
+              {"optimizer_step", optimizer_->step_count()},
+              {"lr_step", lr_step_}};
   if (scaler_) st.state["loss_scaler"] = scaler_->state_dict();
   // The default generator and the TP tracker's streams (dropout inside TP regions): a
   // resumed run draws the same masks as an uninterrupted one.
@@ -417,6 +420,7 @@ bool Trainer::load_checkpoint() {
   const auto& st = loaded.state.state;
   iteration_ = st.value("iteration", int64_t{0});
   if (has_optimizer) optimizer_->set_step_count(st.value("optimizer_step", iteration_));
+  lr_step_ = st.value("lr_step", iteration_);
   if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
   const auto& rank_state = loaded.state.rank_state;  // null unless the layout is the same
   if (!rank_state.is_null() && rank_state.contains("cpu_rng")) {
