@@ -107,6 +107,15 @@ std::pair<int64_t, int64_t> DistributedOptimizer::owned_range(int64_t b) const {
   return owned(layout_.buckets[b], options_.zero_stage(), dp_.rank(), dp_.size());
 }
 
+void DistributedOptimizer::for_each_owned_slice(int64_t b, const OwnedSliceFn& fn) const {
+  const auto [begin, len] = owned_range(b);
+  for (int64_t i : layout_.buckets[b].params) {
+    const auto& pp = layout_.params[i];
+    const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
+    if (n > 0) fn(i, lo - begin, lo - pp.offset, n);
+  }
+}
+
 // Every DP rank must hold the same parameter list, or the bucket collectives would not
 // match: compare a fingerprint first and fail on every rank (no hang) when they differ.
 void DistributedOptimizer::check_same_parameters_across_ranks() {
@@ -337,12 +346,9 @@ double DistributedOptimizer::global_grad_norm() {
       if (n > 0) add(bs.grad_shard.narrow(0, lo - begin, n));
       continue;
     }
-    for (int64_t i : place.params) {
-      if (!info_[i].counted_in_norm) continue;
-      const auto& pp = layout_.params[i];
-      const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
-      if (n > 0) add(bs.grad_shard.narrow(0, lo - begin, n));
-    }
+    for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t, int64_t n) {
+      if (info_[i].counted_in_norm) add(bs.grad_shard.narrow(0, at, n));
+    });
   }
   for (const auto& g : reduction_groups(options_, dp_)) comm::Group(g).all_reduce(sum);
   return std::sqrt(sum.item<double>());
@@ -394,23 +400,18 @@ void DistributedOptimizer::update_shards(double grad_scale) {
   std::map<std::pair<bool, bool>, Lists> lists;  // (weight decay, writes a 16-bit model copy)
   for (size_t b = 0; b < state_->buckets.size(); ++b) {
     auto& bs = state_->buckets[b];
-    const auto [begin, len] = owned_range(static_cast<int64_t>(b));
     // Unscaled, clipped fp32 gradients of the owned range (16-bit ones are upcast first).
     at::Tensor g = bs.grad_shard.scalar_type() == at::kFloat ? bs.grad_shard : bs.grad_shard.to(at::kFloat);
     if (grad_scale != 1.0) g.mul_(grad_scale);
     const bool model_copy = is_16bit(layout_.buckets[b].dtype);
-    for (int64_t i : layout_.buckets[b].params) {
-      const auto& pp = layout_.params[i];
-      const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
-      if (n == 0) continue;
+    for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t first, int64_t, int64_t n) {
       Lists& l = lists[{info_[i].weight_decay, model_copy}];
-      const int64_t first = lo - begin;
       l.master.push_back(bs.master.narrow(0, first, n));
       l.grad.push_back(g.narrow(0, first, n));
       l.m.push_back(bs.exp_avg.narrow(0, first, n));
       if (bs.exp_avg_sq.defined()) l.v.push_back(bs.exp_avg_sq.narrow(0, first, n));
       if (model_copy) l.model.push_back(bs.param_shard.narrow(0, first, n));
-    }
+    });
   }
   const auto& o = options_;
   at::NoGradGuard no_grad;
@@ -561,17 +562,13 @@ std::vector<DistributedOptimizer::ParamStateShard> DistributedOptimizer::param_s
   const bool adam = options_.kind() == OptimizerKind::kAdamW;
   for (size_t b = 0; b < state_->buckets.size(); ++b) {
     auto& bs = state_->buckets[b];
-    const auto [begin, len] = owned_range(static_cast<int64_t>(b));
-    for (int64_t i : layout_.buckets[b].params) {
-      const auto& pp = layout_.params[i];
-      const auto [lo, n] = overlap(pp.offset, pp.numel, begin, len);
-      if (n == 0) continue;
-      ParamStateShard s{i, lo - pp.offset, lo - pp.offset + n, {}};
-      s.tensors["master"] = bs.master.detach().narrow(0, lo - begin, n);
-      s.tensors[adam ? "exp_avg" : "momentum"] = bs.exp_avg.narrow(0, lo - begin, n);
-      if (adam) s.tensors["exp_avg_sq"] = bs.exp_avg_sq.narrow(0, lo - begin, n);
+    for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t in_param, int64_t n) {
+      ParamStateShard s{i, in_param, in_param + n, {}};
+      s.tensors["master"] = bs.master.detach().narrow(0, at, n);
+      s.tensors[adam ? "exp_avg" : "momentum"] = bs.exp_avg.narrow(0, at, n);
+      if (adam) s.tensors["exp_avg_sq"] = bs.exp_avg_sq.narrow(0, at, n);
       out.push_back(std::move(s));
-    }
+    });
   }
   return out;
 }

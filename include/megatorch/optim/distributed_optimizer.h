@@ -23,6 +23,7 @@
 #include <ATen/Tensor.h>
 #include <torch/arg.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -145,6 +146,10 @@ class DistributedOptimizer {
   void check_same_parameters_across_ranks();
   void build_buffers();
   void register_hooks();
+  // fn(parameter index, offset in the bucket's owned shard, offset in the parameter,
+  // length) for every parameter slice of bucket b inside this rank's owned range.
+  using OwnedSliceFn = std::function<void(int64_t, int64_t, int64_t, int64_t)>;
+  void for_each_owned_slice(int64_t b, const OwnedSliceFn& fn) const;
   std::pair<int64_t, int64_t> owned_range(int64_t bucket) const;
   void ensure_grad_staging(int64_t bucket);
   void wait_bucket(int64_t bucket);
