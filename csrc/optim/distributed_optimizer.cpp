@@ -11,6 +11,7 @@
 #include "megatorch/check.h"
 #include "megatorch/kernels/fused_adamw.h"
 #include "megatorch/optim/storage.h"
+#include "optimizer_state.h"
 
 namespace megatorch::optim {
 namespace {
@@ -34,27 +35,6 @@ class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
 };
 
 }  // namespace
-
-struct BucketState {
-  at::Tensor grad_full;    // [n] gradients; stages 2-3: staging, undefined between steps
-  at::Tensor grad_shard;   // the owned range [n/d] (stage 0: all n)
-  at::Tensor param_full;   // [n] parameters; stage 3: its storage is freed between uses
-  at::Tensor param_shard;  // the owned range (stage 3: the only persistent copy)
-  at::Tensor master;       // fp32 owned range (aliases param_shard for fp32 parameters)
-  at::Tensor exp_avg, exp_avg_sq;  // AdamW; SGD keeps its momentum in exp_avg
-  int64_t ready = 0;
-  bool launched = false;
-  comm::Work work;
-  bool gathered = true;
-  std::optional<comm::Work> prefetch;
-};
-
-struct DistributedOptimizer::State {
-  std::vector<BucketState> buckets;
-  std::vector<at::Tensor> param_buffers, grad_buffers;  // stages 0-2 / 0-1, per dtype
-  std::vector<std::vector<int64_t>> unit_buckets;
-  std::vector<int64_t> unit_ready;
-};
 
 namespace {
 // The range of bucket b this rank owns: all of it at stage 0.
@@ -571,43 +551,6 @@ std::vector<DistributedOptimizer::ParamStateShard> DistributedOptimizer::param_s
     });
   }
   return out;
-}
-
-// ---- ZeRO-3: units gathered just in time ----
-
-void DistributedOptimizer::prefetch_unit(int64_t u) {
-  if (options_.zero_stage() != 3 || u < 0 || u >= num_units()) return;
-  for (int64_t b : state_->unit_buckets[u]) {
-    auto& bs = state_->buckets[b];
-    if (!bs.gathered && !bs.prefetch) bs.prefetch = dp_.all_gather_async(bs.param_shard);
-  }
-}
-
-void DistributedOptimizer::gather_unit(int64_t u) {
-  if (options_.zero_stage() != 3) return;
-  MEGATORCH_CHECK(u >= 0 && u < num_units(), "DistributedOptimizer::gather_unit: expected a unit in [0, ", num_units(),
-                  "), got ", u);
-  prefetch_unit(u);
-  at::NoGradGuard no_grad;
-  for (int64_t b : state_->unit_buckets[u]) {
-    auto& bs = state_->buckets[b];
-    if (bs.gathered) continue;
-    at::Tensor full = bs.prefetch->wait();
-    bs.prefetch.reset();
-    resize_storage(bs.param_full, bs.param_full.numel() * bs.param_full.element_size());
-    bs.param_full.copy_(dp_.size() > 1 ? full : bs.param_shard);
-    bs.gathered = true;
-  }
-}
-
-void DistributedOptimizer::release_unit(int64_t u) {
-  if (options_.zero_stage() != 3) return;
-  for (int64_t b : state_->unit_buckets[u]) {
-    auto& bs = state_->buckets[b];
-    if (!bs.gathered) continue;
-    resize_storage(bs.param_full, 0);
-    bs.gathered = false;
-  }
 }
 
 }  // namespace megatorch::optim

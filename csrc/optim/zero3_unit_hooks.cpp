@@ -6,6 +6,8 @@
 
 #include "megatorch/check.h"
 #include "megatorch/optim/distributed_optimizer.h"
+#include "megatorch/optim/storage.h"
+#include "optimizer_state.h"
 
 namespace megatorch::optim {
 namespace {
@@ -58,6 +60,43 @@ std::shared_ptr<models::UnitHooks> DistributedOptimizer::unit_hooks(int64_t firs
   MEGATORCH_CHECK(0 <= first && first <= last && last < num_units(), "DistributedOptimizer::unit_hooks: expected ",
                   "0 <= first <= last < ", num_units(), " (the units of one chunk), got ", first, "..", last);
   return std::make_shared<Zero3UnitHooks>(this, first, last);
+}
+
+// ---- the units gathered, prefetched and freed ----
+
+void DistributedOptimizer::prefetch_unit(int64_t u) {
+  if (options_.zero_stage() != 3 || u < 0 || u >= num_units()) return;
+  for (int64_t b : state_->unit_buckets[u]) {
+    auto& bs = state_->buckets[b];
+    if (!bs.gathered && !bs.prefetch) bs.prefetch = dp_.all_gather_async(bs.param_shard);
+  }
+}
+
+void DistributedOptimizer::gather_unit(int64_t u) {
+  if (options_.zero_stage() != 3) return;
+  MEGATORCH_CHECK(u >= 0 && u < num_units(), "DistributedOptimizer::gather_unit: expected a unit in [0, ", num_units(),
+                  "), got ", u);
+  prefetch_unit(u);
+  at::NoGradGuard no_grad;
+  for (int64_t b : state_->unit_buckets[u]) {
+    auto& bs = state_->buckets[b];
+    if (bs.gathered) continue;
+    at::Tensor full = bs.prefetch->wait();
+    bs.prefetch.reset();
+    resize_storage(bs.param_full, bs.param_full.numel() * bs.param_full.element_size());
+    bs.param_full.copy_(dp_.size() > 1 ? full : bs.param_shard);
+    bs.gathered = true;
+  }
+}
+
+void DistributedOptimizer::release_unit(int64_t u) {
+  if (options_.zero_stage() != 3) return;
+  for (int64_t b : state_->unit_buckets[u]) {
+    auto& bs = state_->buckets[b];
+    if (!bs.gathered) continue;
+    resize_storage(bs.param_full, 0);
+    bs.gathered = false;
+  }
 }
 
 }  // namespace megatorch::optim
