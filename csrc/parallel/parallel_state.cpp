@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/parallel/device_selection.h"
 #include "megatorch/parallel/process_group_factory.h"
 
 namespace megatorch::parallel {
@@ -47,15 +48,11 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono:
   return store;
 }
 
-c10::Device choose_device(const std::string& device, int64_t local_rank) {
-  MEGATORCH_CHECK(device == "auto" || device == "cpu" || device == "cuda",
-                  "expected ParallelStateOptions::device to be 'auto', 'cpu' or 'cuda', got '", device, "'");
-  const bool cuda = device == "cuda" || (device == "auto" && cuda_available());
-  if (!cuda) return c10::Device(c10::kCPU);
-  MEGATORCH_CHECK(cuda_available(), "expected a visible CUDA device for device 'cuda', found none; "
-                  "use device 'cpu' (Gloo) on machines without a GPU");
-  set_cuda_device(local_rank);
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+// The device and its backend (device_selection.h), and the current CUDA device set.
+DeviceChoice select_device(const ParallelStateOptions& o, int64_t local_rank, int64_t local_world_size) {
+  DeviceChoice c = choose_device(o.device(), o.backend(), local_rank, local_world_size, visible_cuda_devices());
+  if (c.device.is_cuda()) set_cuda_device(c.device.index());
+  return c;
 }
 
 }  // namespace
@@ -73,7 +70,7 @@ ParallelState::ParallelState(ParallelStateOptions options)
   const LaunchEnv env = LaunchEnv::from_environment();
   rank_ = env.rank;
   local_rank_ = env.local_rank;
-  device_ = choose_device(options_.device(), local_rank_);
+  choice_ = select_device(options_, local_rank_, env.local_world_size);
   store_ = connect_store(env, options_.timeout());
   build_groups();
 }
@@ -87,7 +84,8 @@ ParallelState::ParallelState(c10::intrusive_ptr<c10d::Store> store, int64_t rank
       store_(std::move(store)) {
   MEGATORCH_CHECK(store_, "expected a store to build ParallelState from, got null");
   MEGATORCH_CHECK(rank >= 0 && rank < world_size, "expected rank in [0, ", world_size, "), got ", rank);
-  device_ = choose_device(options_.device(), local_rank_);
+  // One process per rank on this machine, as a store-built test launches them.
+  choice_ = select_device(options_, local_rank_, world_size);
   build_groups();
 }
 
@@ -109,7 +107,6 @@ void ParallelState::build_groups() {
   }
   const auto root = c10::make_intrusive<c10d::PrefixStore>(
       "megatorch/" + std::to_string(instance_counter().fetch_add(1)) + "/", store_);
-  const bool with_cuda = device_.is_cuda();
   // Same kind order on every rank: each group's members rendezvous together.
   for (GroupKind kind : kAllKinds) {
     const int k = static_cast<int>(kind);
@@ -119,7 +116,7 @@ void ParallelState::build_groups() {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>(
         std::string(group_kind_name(kind)) + "/" + std::to_string(index) + "/", root);
     groups_[k] = make_process_group(group_store, group_rank, static_cast<int64_t>(ranks_[k].size()), names_[k],
-                                    with_cuda, options_.timeout());
+                                    choice_.device, choice_.backend, options_.timeout());
     c10d::register_process_group(names_[k], groups_[k]);
   }
 }
@@ -149,7 +146,7 @@ std::string ParallelState::describe() const {
   std::ostringstream os;
   const RankCoord c = coord();
   os << "rank " << rank_ << " (" << layout_.describe() << "; tp_rank " << c.tp << ", dp_rank " << c.dp
-     << ", pp_rank " << c.pp << ", device " << device_ << ")";
+     << ", pp_rank " << c.pp << ", device " << choice_.device << ", backend " << choice_.backend << ")";
   for (GroupKind kind : kAllKinds) {
     os << "\n  " << group_kind_name(kind) << " group '" << group_name(kind) << "': [";
     const auto& r = group_ranks(kind);

@@ -5,6 +5,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/cuda.h>
 
+#include <cstdlib>
+
 #ifdef MEGATORCH_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -16,7 +18,8 @@ namespace megatorch::parallel {
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                           int64_t rank, int64_t size, const std::string& name,
-                                                          bool with_cuda, std::chrono::milliseconds timeout) {
+                                                          const c10::Device& device, const std::string& cuda_backend,
+                                                          std::chrono::milliseconds timeout) {
   using BT = c10d::ProcessGroup::BackendType;
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, static_cast<int>(rank), static_cast<int>(size));
 
@@ -26,17 +29,30 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
   pg->setBackend(c10::DeviceType::CPU, BT::GLOO, gloo);
   pg->setDefaultBackend(BT::GLOO);
 
-  if (with_cuda) {
+  if (device.is_cuda()) {
 #ifdef MEGATORCH_WITH_CUDA
-    auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
-    nccl_opts->timeout = timeout;
-    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl/", store),
-                                                            static_cast<int>(rank), static_cast<int>(size), nccl_opts);
-    pg->setBackend(c10::DeviceType::CUDA, BT::NCCL, nccl);
-    pg->setDefaultBackend(BT::NCCL);
+    if (cuda_backend == "gloo") {
+      // Ranks sharing one GPU: Gloo takes the CUDA tensors too (comm::Group stages what
+      // Gloo cannot read from device memory through the host).
+      pg->setBackend(c10::DeviceType::CUDA, BT::GLOO, gloo);
+    } else {
+      // A collective that fails or hangs tears the process down with an error naming the
+      // group (its description is `name`), the operation and its sequence number, instead
+      // of leaving the other ranks blocked; the user's own setting wins.
+      ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+      auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+      nccl_opts->timeout = timeout;
+      nccl_opts->group_name = name;
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl/", store),
+                                                              static_cast<int>(rank), static_cast<int>(size), nccl_opts);
+      nccl->setBoundDeviceId(device);
+      pg->setBackend(c10::DeviceType::CUDA, BT::NCCL, nccl);
+      pg->setDefaultBackend(BT::NCCL);
+    }
+    pg->setBoundDeviceId(device);
 #else
-    MEGATORCH_FAIL("expected a CUDA build of megatorch for device 'cuda', got a CPU-only build; "
-                   "rebuild against a CUDA torch or use device 'cpu'");
+    MEGATORCH_FAIL("expected a CUDA build of megatorch for device ", device, ", got a CPU-only build; "
+                   "rebuild against a CUDA torch or use --device cpu");
 #endif
   }
   pg->setGroupName(name);
@@ -44,11 +60,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
   return pg;
 }
 
-bool cuda_available() {
+int64_t cuda_device_count() {
 #ifdef MEGATORCH_WITH_CUDA
-  return torch::cuda::is_available();
+  return torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
 #else
-  return false;
+  return 0;
 #endif
 }
 

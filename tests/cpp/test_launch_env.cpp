@@ -84,3 +84,52 @@ TEST_CASE("comm timeout: 10 minutes unless MEGATORCH_COMM_TIMEOUT_S says otherwi
     CHECK_THROWS_WITH(megatorch::parallel::default_comm_timeout(), Catch::Contains("positive number"));
   }
 }
+
+// ---- device selection: a pure function of the request, LOCAL_RANK, LOCAL_WORLD_SIZE and
+// the GPU count, so every GPU case is checked here without a GPU.
+#include <megatorch/parallel/device_selection.h>
+
+using megatorch::parallel::choose_device;
+
+TEST_CASE("device selection: auto, cpu, cuda, cuda:N and the backend", "[env][device]") {
+  // auto: the GPU of LOCAL_RANK and NCCL when GPUs are visible, else the CPU and Gloo.
+  auto c = choose_device("auto", "auto", 3, 8, 8);
+  CHECK(c.device == c10::Device(c10::kCUDA, 3));
+  CHECK(c.backend == "nccl");
+  c = choose_device("auto", "auto", 3, 8, 0);
+  CHECK(c.device.is_cpu());
+  CHECK(c.backend == "gloo");
+  c = choose_device("cpu", "auto", 0, 8, 8);
+  CHECK(c.device.is_cpu());
+  c = choose_device("cuda", "gloo", 1, 2, 2);
+  CHECK(c.device == c10::Device(c10::kCUDA, 1));
+  CHECK(c.backend == "gloo");
+  // Four ranks sharing GPU 0 through Gloo (NCCL would refuse them).
+  c = choose_device("cuda:0", "gloo", 3, 4, 1);
+  CHECK(c.device == c10::Device(c10::kCUDA, 0));
+  CHECK(c.backend == "gloo");
+  // One rank per node pinned to a GPU may use NCCL.
+  c = choose_device("cuda:1", "auto", 0, 1, 2);
+  CHECK(c.device == c10::Device(c10::kCUDA, 1));
+  CHECK(c.backend == "nccl");
+}
+
+TEST_CASE("device selection refuses launches that cannot work, alike on every rank of a node", "[env][device]") {
+  using Catch::Matchers::Contains;
+  CHECK_THROWS_WITH(choose_device("cuda", "auto", 0, 1, 0), Contains("no CUDA device is visible"));
+  CHECK_THROWS_WITH(choose_device("cuda:0", "gloo", 0, 1, 0), Contains("no CUDA device is visible"));
+  // 4 ranks on a 2-GPU node: ranks 0 and 1 would find a GPU, but all four fail together.
+  for (int64_t local_rank = 0; local_rank < 4; ++local_rank) {
+    CHECK_THROWS_WITH(choose_device("cuda", "auto", local_rank, 4, 2),
+                      Contains("each of the 4 ranks of this node on its own GPU") && Contains("only 2 GPU(s)") &&
+                          Contains("LOCAL_RANK 2..3"));
+  }
+  CHECK_THROWS_WITH(choose_device("auto", "auto", 0, 4, 2), Contains("only 2 GPU(s)"));
+  CHECK_THROWS_WITH(choose_device("cuda:0", "nccl", 1, 4, 1), Contains("NCCL refuses two ranks on one device"));
+  CHECK_THROWS_WITH(choose_device("cuda:0", "auto", 1, 4, 1), Contains("--distributed-backend gloo"));
+  CHECK_THROWS_WITH(choose_device("cuda:5", "gloo", 0, 1, 2), Contains("names GPU 5") && Contains("2 visible GPU(s)"));
+  CHECK_THROWS_WITH(choose_device("cuda:x", "gloo", 0, 1, 2), Contains("expected --device cuda:N"));
+  CHECK_THROWS_WITH(choose_device("tpu", "auto", 0, 1, 2), Contains("expected --device auto, cpu, cuda or cuda:N, got 'tpu'"));
+  CHECK_THROWS_WITH(choose_device("cpu", "nccl", 0, 1, 2), Contains("--distributed-backend nccl needs CUDA tensors"));
+  CHECK_THROWS_WITH(choose_device("cpu", "mpi", 0, 1, 2), Contains("expected --distributed-backend auto, nccl or gloo"));
+}

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <string>
 
+#include "megatorch/parallel/device_selection.h"
 #include "megatorch/parallel/launch_env.h"
 #include "megatorch/parallel/rank_layout.h"
 
@@ -28,9 +29,12 @@ struct ParallelStateOptions {
   TORCH_ARG(int64_t, pipeline_model_parallel_size);
   // Prefix of the registered group names; two live ParallelStates need different names.
   TORCH_ARG(std::string, name) = "megatorch";
-  // "auto": CUDA (NCCL for CUDA tensors, device = LOCAL_RANK) when a GPU is present, else
-  // CPU; "cpu" or "cuda" to force. Gloo always serves CPU tensors.
+  // "auto": CUDA (device = LOCAL_RANK) when a GPU is present, else CPU; "cpu", "cuda" or
+  // "cuda:N" to force (device_selection.h). Gloo always serves CPU tensors.
   TORCH_ARG(std::string, device) = "auto";
+  // Backend of the device's tensors: "auto" (NCCL on CUDA), "nccl", or "gloo" (also for
+  // CUDA tensors: several ranks sharing one GPU, which NCCL refuses).
+  TORCH_ARG(std::string, backend) = "auto";
   // Store connection and collective timeout.
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_comm_timeout();
 };
@@ -63,7 +67,9 @@ class ParallelState {
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group(GroupKind kind) const;
   const std::vector<int64_t>& group_ranks(GroupKind kind) const;
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
-  c10::Device device() const { return device_; }
+  c10::Device device() const { return choice_.device; }
+  // "nccl" or "gloo": the backend that carries tensors on device().
+  const std::string& backend() const { return choice_.backend; }
   const ParallelStateOptions& options() const { return options_; }
 
   // One line per group kind: its name and global ranks, as seen from this rank.
@@ -76,7 +82,7 @@ class ParallelState {
   RankLayout layout_;
   int64_t rank_;
   int64_t local_rank_;
-  c10::Device device_{c10::kCPU};
+  DeviceChoice choice_;
   c10::intrusive_ptr<c10d::Store> store_;
   static constexpr int kKinds = 4;
   std::array<std::string, kKinds> names_;
