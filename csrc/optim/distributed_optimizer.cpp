@@ -129,6 +129,12 @@ void DistributedOptimizer::build_buffers() {
   st.buckets.resize(layout_.buckets.size());
   st.unit_buckets.assign(units_.size(), {});
   st.unit_ready.assign(units_.size(), 0);
+  st.unit_param_buckets.assign(units_.size(), {});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& list = st.unit_param_buckets[unit_of_param_[i]];
+    const int64_t b = layout_.params[i].bucket;
+    if (std::find(list.begin(), list.end(), b) == list.end()) list.push_back(b);
+  }
   auto grad_dtype = [&](at::ScalarType t) { return is_16bit(t) && options_.grad_in_fp32() ? at::kFloat : t; };
   // Stages 0-2 keep every parameter in one flat buffer per dtype (stage 3 one per unit).
   for (const auto& [dtype, numel] : layout_.buffers) {
@@ -299,9 +305,9 @@ static std::vector<std::string> reduction_groups(const DistributedOptimizerOptio
 }
 
 bool DistributedOptimizer::found_overflow() {
-  bool local = false;
-  for (const auto& bs : state_->buckets) local |= !at::isfinite(bs.grad_shard).all().item<bool>();
-  at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(params_[0].device()));
+  // Built on the device, read once: one host synchronisation per step, not one per bucket.
+  at::Tensor flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(params_[0].device()));
+  for (const auto& bs : state_->buckets) flag = at::maximum(flag, at::logical_not(at::isfinite(bs.grad_shard).all()).to(at::kFloat));
   for (const auto& g : reduction_groups(options_, dp_)) comm::Group(g).all_reduce(flag, comm::ReduceOp::kMax);
   return flag.item<float>() > 0;
 }
@@ -335,6 +341,7 @@ double DistributedOptimizer::global_grad_norm() {
 }
 
 bool DistributedOptimizer::step() {
+  finish_param_gather();  // a forward that skipped some unit leaves its gather pending
   finish_grad_sync();
   // A unit prefetched but never gathered this step would otherwise hold pre-update values.
   for (auto& bs : state_->buckets) {
@@ -357,14 +364,11 @@ bool DistributedOptimizer::step() {
   }
   ++step_;
   update_shards(grad_scale);
-  // Stages 1-2: every rank updated its range; put the full parameters back together.
+  // Stages 1-2: every rank updated its range; put the full parameters back together
+  // (now, or unit by unit as the next forward reaches them).
   if (options_.zero_stage() == 1 || options_.zero_stage() == 2) {
-    std::vector<comm::Work> gathers;
-    for (auto& bs : state_->buckets) gathers.push_back(dp_.all_gather_async(bs.param_shard));
-    for (size_t b = 0; b < gathers.size(); ++b) {
-      at::Tensor full = gathers[b].wait();
-      if (dp_.size() > 1) state_->buckets[b].param_full.copy_(full);
-    }
+    launch_param_gathers();
+    if (!options_.overlap_param_gather()) finish_param_gather();
   }
   // Stage 3: a unit still gathered holds the old values; the next use gathers the new.
   for (int64_t u = 0; u < num_units(); ++u) release_unit(u);
@@ -421,6 +425,7 @@ void DistributedOptimizer::update_shards(double grad_scale) {
 }
 
 void DistributedOptimizer::copy_master_to_params() {
+  finish_param_gather();  // an older gather must not land on top of these values
   at::NoGradGuard no_grad;
   for (auto& bs : state_->buckets) {
     if (!bs.master.is_same(bs.param_shard)) bs.param_shard.copy_(bs.master);

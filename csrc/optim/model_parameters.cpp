@@ -28,7 +28,6 @@ ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks
 }
 
 void attach_unit_hooks(const std::vector<models::GPTModel>& chunks, DistributedOptimizer& optimizer) {
-  if (optimizer.options().zero_stage() != 3) return;
   int64_t first = 0;
   for (models::GPTModel chunk : chunks) {  // a copy of the handle: the module is not const
     const int64_t last = first + static_cast<int64_t>(chunk->layers->size());

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -25,13 +26,19 @@ struct BucketState {
   comm::Work work;
   bool gathered = true;
   std::optional<comm::Work> prefetch;
+  std::optional<comm::Work> param_gather;  // stages 1-2, overlap_param_gather
 };
 
 struct DistributedOptimizer::State {
   std::vector<BucketState> buckets;
   std::vector<at::Tensor> param_buffers, grad_buffers;  // stages 0-2 / 0-1, per dtype
-  std::vector<std::vector<int64_t>> unit_buckets;
+  std::vector<std::vector<int64_t>> unit_buckets;  // buckets whose first parameter is in the unit
+  std::vector<std::vector<int64_t>> unit_param_buckets;  // buckets holding any parameter of the unit
   std::vector<int64_t> unit_ready;
 };
+
+// Stages 1-2 with overlap_param_gather: hooks that wait for a unit's parameter
+// all-gathers before its forward (param_gather_overlap.cpp); nullptr otherwise.
+std::shared_ptr<models::UnitHooks> param_gather_hooks(DistributedOptimizer& optimizer);
 
 }  // namespace megatorch::optim

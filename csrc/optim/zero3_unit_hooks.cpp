@@ -59,7 +59,8 @@ class Zero3UnitHooks : public models::UnitHooks {
 std::shared_ptr<models::UnitHooks> DistributedOptimizer::unit_hooks(int64_t first, int64_t last) {
   MEGATORCH_CHECK(0 <= first && first <= last && last < num_units(), "DistributedOptimizer::unit_hooks: expected ",
                   "0 <= first <= last < ", num_units(), " (the units of one chunk), got ", first, "..", last);
-  return std::make_shared<Zero3UnitHooks>(this, first, last);
+  if (options_.zero_stage() == 3) return std::make_shared<Zero3UnitHooks>(this, first, last);
+  return param_gather_hooks(*this);
 }
 
 // ---- the units gathered, prefetched and freed ----
@@ -73,9 +74,9 @@ void DistributedOptimizer::prefetch_unit(int64_t u) {
 }
 
 void DistributedOptimizer::gather_unit(int64_t u) {
-  if (options_.zero_stage() != 3) return;
   MEGATORCH_CHECK(u >= 0 && u < num_units(), "DistributedOptimizer::gather_unit: expected a unit in [0, ", num_units(),
                   "), got ", u);
+  if (options_.zero_stage() != 3) return finish_param_gather(u);
   prefetch_unit(u);
   at::NoGradGuard no_grad;
   for (int64_t b : state_->unit_buckets[u]) {

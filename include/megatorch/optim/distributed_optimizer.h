@@ -58,6 +58,11 @@ struct DistributedOptimizerOptions {
   TORCH_ARG(std::vector<std::string>, model_parallel_groups) = {};
   // Start bucket collectives during backward; off: all of them start in step().
   TORCH_ARG(bool, overlap_grad_reduce) = true;
+  // Stages 1-2: step() only launches the all-gathers of the updated parameters (in
+  // forward order) and the next forward waits for each unit's buckets just before the
+  // unit runs (Megatron's overlap_param_gather). Needs the model to run unit_hooks()
+  // (attach_unit_hooks); anything else that reads parameters calls finish_param_gather().
+  TORCH_ARG(bool, overlap_param_gather) = false;
   // Broadcast parameters from DP rank 0 at construction (as DDP does).
   TORCH_ARG(bool, broadcast_parameters) = true;
 };
@@ -123,13 +128,21 @@ class DistributedOptimizer {
   // with every unit gathered): the owned shard and the fp32 masters take their values.
   void copy_params_to_master();
 
-  // ZeRO-3: gather / free one unit's full parameters (no-ops for other stages).
+  // Stages 1-2 with overlap_param_gather: waits for the all-gathers of the buckets holding
+  // `unit`'s parameters (every bucket: unit -1) that step() launched. A no-op otherwise.
+  void finish_param_gather(int64_t unit = -1);
+  // Bucket all-gathers launched by step() and not yet waited for.
+  int64_t pending_param_gathers() const;
+
+  // ZeRO-3: gather / free one unit's full parameters (stages 1-2: finish_param_gather).
   void gather_unit(int64_t unit);
   void release_unit(int64_t unit);
   // Starts the unit's all-gather without waiting (gather_unit then waits for it).
   void prefetch_unit(int64_t unit);
-  // Hooks for models::GPTModelImpl::set_unit_hooks: gather before each unit's forward and
-  // backward, free after each (the unit indices are those of `units`).
+  // Hooks for models::GPTModelImpl::set_unit_hooks (nullptr when the stage needs none).
+  // ZeRO-3: gather before each unit's forward and backward, free after each (the unit
+  // indices are those of `units`). Stages 1-2 with overlap_param_gather: wait for the
+  // unit's parameter all-gathers before its forward.
   // `first`..`last`: the units of one model chunk (its root unit, then its layers), so
   // prefetching stays inside the chunk that runs next.
   std::shared_ptr<models::UnitHooks> unit_hooks(int64_t first, int64_t last);
@@ -157,6 +170,7 @@ class DistributedOptimizer {
   void start_bucket(int64_t bucket);
   void finish_grad_sync();
   void drain_in_flight();
+  void launch_param_gathers();
   bool found_overflow();
   double global_grad_norm();
   void update_shards(double grad_scale);
