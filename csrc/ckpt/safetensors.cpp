@@ -75,17 +75,14 @@ WrittenFile write_safetensors(const std::string& path, const std::vector<std::pa
                               const std::map<std::string, std::string>& metadata, bool durable) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> data;
   int64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     MEGATORCH_CHECK(name != "__metadata__" && !header.contains(name), "safetensors: tensor name '", name,
                     "' is reserved or repeated in '", path, "'");
-    at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
-    const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
-    header[name] = {{"dtype", safetensors_dtype(t.scalar_type())}, {"shape", t.sizes().vec()},
+    const int64_t n = tensor.numel() * static_cast<int64_t>(tensor.element_size());
+    header[name] = {{"dtype", safetensors_dtype(tensor.scalar_type())}, {"shape", tensor.sizes().vec()},
                     {"data_offsets", {offset, offset + n}}};
     offset += n;
-    data.push_back(std::move(t));
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned, as the format's writers do
@@ -100,7 +97,10 @@ WrittenFile write_safetensors(const std::string& path, const std::vector<std::pa
   out.crc32 = crc32(len_bytes, 8);
   write_all(f.fd, text.data(), text.size(), path);
   out.crc32 = crc32(text.data(), text.size(), out.crc32);
-  for (const auto& t : data) {
+  // One tensor at a time through host memory: saving device (or non-contiguous) tensors
+  // holds at most one staged copy, never a second copy of the whole shard.
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
     const size_t n = t.numel() * t.element_size();
     write_all(f.fd, t.data_ptr(), n, path);
     out.crc32 = crc32(t.data_ptr(), n, out.crc32);

@@ -13,6 +13,14 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   CLI::App app{"gpt_pretrain: GPT pretraining with tensor, sequence, pipeline and data parallelism (ZeRO 0-3).\n"
                "Launch with torchrun --no-python; flags follow Megatron-LM's names."};
   app.option_defaults()->always_capture_default();
+  // Device and communication
+  app.add_option("--device", a.device,
+                 "auto: cuda:LOCAL_RANK when CUDA is available, else cpu; cuda:N puts every rank of a node on GPU N "
+                 "(with --distributed-backend gloo)");
+  app.add_option("--distributed-backend", a.distributed_backend, "backend of device tensors: auto (NCCL on CUDA), nccl, gloo")
+      ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
+  app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
+                 "timeout of every collective; 0: MEGATORCH_COMM_TIMEOUT_S if set, else 10");
   // Parallelism
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "TP size");
   app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "PP size");
@@ -99,6 +107,8 @@ void validate(TrainArguments& a, int64_t world) {
   a.world_size = world;
   a.data_parallel_size = world / (tp * pp);
   const int64_t dp = a.data_parallel_size;
+  MEGATORCH_CHECK(a.distributed_timeout_minutes >= 0, "gpt_pretrain: expected --distributed-timeout-minutes >= 0, got ",
+                  a.distributed_timeout_minutes);
   MEGATORCH_CHECK(!(a.bf16 && a.fp16), "gpt_pretrain: --bf16 and --fp16 contradict each other; pick one");
   MEGATORCH_CHECK(!a.sequence_parallel || tp > 1,
                   "gpt_pretrain: --sequence-parallel needs --tensor-model-parallel-size > 1, got ", tp);

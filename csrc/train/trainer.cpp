@@ -17,6 +17,7 @@
 #include "megatorch/optim/model_parameters.h"
 #include "megatorch/pipeline/timeline_svg.h"
 #include "megatorch/tp/rng_tracker.h"
+#include "megatorch/train/device_memory.h"
 
 namespace megatorch::train {
 namespace {
@@ -60,12 +61,19 @@ std::string human(double bytes) {
 Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   const auto env = parallel::LaunchEnv::from_environment();
   validate(args_, env.world_size);
-  state_ = std::make_unique<parallel::ParallelState>(
-      parallel::ParallelStateOptions(args_.tensor_model_parallel_size, args_.pipeline_model_parallel_size)
-          .name("gpt")
-          .device("cpu"));
+  // The device is chosen (and a launch that cannot work refused, on every rank) before
+  // anything connects.
+  auto pstate = parallel::ParallelStateOptions(args_.tensor_model_parallel_size, args_.pipeline_model_parallel_size)
+                    .name("gpt")
+                    .device(args_.device)
+                    .backend(args_.distributed_backend);
+  if (args_.distributed_timeout_minutes > 0 && !std::getenv("MEGATORCH_COMM_TIMEOUT_S")) {
+    pstate.timeout(std::chrono::milliseconds(static_cast<int64_t>(args_.distributed_timeout_minutes * 60e3)));
+  }
+  state_ = std::make_unique<parallel::ParallelState>(pstate);
   at::manual_seed(args_.seed);
-  const auto config = model_config(args_);
+  auto config = model_config(args_);
+  config.device(state_->device());
   stage_ = pipeline::PipelineStage(pipeline::PipelineStageOptions(config)
                                        .tp_group(state_->group_name(GroupKind::kTensor))
                                        .pp_group(args_.pipeline_model_parallel_size > 1
@@ -96,7 +104,9 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           // SP partial sums (SP) and the tied embedding's two copies (first and last
           // stage, summed after the schedule whenever PP > 1) must be summed before the DP
           // reduction, so with either the reduction waits for the end of backward.
-          .overlap_grad_reduce(args_.pipeline_model_parallel_size == 1 && !args_.sequence_parallel),
+          .overlap_grad_reduce(args_.pipeline_model_parallel_size == 1 && !args_.sequence_parallel)
+          // The forward's unit hooks (attach_unit_hooks below) wait for each unit's gathers.
+          .overlap_param_gather(true),
       params.info);
   optim::attach_unit_hooks(chunks(), *optimizer_);
   // The whole model's size, each parameter once (PaLM's FLOPs count uses it).
@@ -122,6 +132,7 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           .split(args_.split)
           .num_samples({args_.train_iters * args_.global_batch_size, eval_runs * args_.eval_iters * args_.global_batch_size,
                         args_.eval_iters * args_.global_batch_size}));
+  train_batches_ = std::make_unique<MicroBatchLoader>(*data_.train, loader_options());
   if (!args_.load.empty()) load_checkpoint();
   if (is_logging_rank()) {
     std::printf("[megatorch] gpt_pretrain: world %ld = tp %ld x pp %ld (v %ld) x dp %ld, ZeRO-%ld, %s, %ld parameters\n",
@@ -148,22 +159,14 @@ std::vector<models::GPTModel> Trainer::chunks() const {
   return out;
 }
 
-// This DP rank's micro-batches of the global batch starting at `first_sample`.
-std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::SampleDataset& ds, int64_t first_sample) const {
-  const int64_t b = args_.micro_batch_size, dp = args_.data_parallel_size, s = args_.seq_length;
-  MEGATORCH_CHECK(first_sample + args_.global_batch_size <= ds.size(), "gpt_pretrain: the dataset has ", ds.size(),
-                  " samples, the run needs ", first_sample + args_.global_batch_size,
-                  "; lower --train-iters/--eval-iters or add data");
-  std::vector<pipeline::MicroBatch> out;
-  for (int64_t k = 0; k < args_.num_micro_batches; ++k) {
-    // As Megatron's sampler: each global micro-batch of b·dp samples, DP rank r taking b.
-    const int64_t first = first_sample + k * b * dp + state_->dp_rank() * b;
-    std::vector<at::Tensor> rows;
-    for (int64_t i = 0; i < b; ++i) rows.push_back(ds.get(first + i));
-    const at::Tensor tokens = at::stack(rows);
-    out.push_back({tokens.narrow(1, 0, s).contiguous(), tokens.narrow(1, 1, s).contiguous()});
-  }
-  return out;
+MicroBatchLoaderOptions Trainer::loader_options() const {
+  return MicroBatchLoaderOptions()
+      .micro_batch_size(args_.micro_batch_size)
+      .num_micro_batches(args_.num_micro_batches)
+      .data_parallel_size(args_.data_parallel_size)
+      .data_parallel_rank(state_->dp_rank())
+      .seq_length(args_.seq_length)
+      .device(state_->device());
 }
 
 // Mean of the last stage's loss over DP, made known on every rank.
@@ -182,7 +185,7 @@ IterationStats Trainer::train_step() {
   s.lr = lr_.at(lr_step_);
   optimizer_->set_lr(s.lr);
   stage_->train();
-  const auto mbs = micro_batches(*data_.train, iteration_ * args_.global_batch_size);
+  const auto mbs = train_batches_->load(iteration_ * args_.global_batch_size);
   optimizer_->zero_grad();
   auto* opt = optimizer_.get();
   const auto result = pipeline::run_pipeline_step(
@@ -219,6 +222,9 @@ void Trainer::log(const IterationStats& s, const std::map<std::string, int64_t>&
   if (!is_logging_rank()) return;
   const auto mem = optimizer_->memory_stats();
   const int64_t rss = resident_bytes();
+  const auto device_mem = device_memory_stats(state_->device());
+  // The host's resident set on CPU; the allocator's peak on a GPU.
+  const double shown = device_mem.empty() ? rss : device_mem.at("cuda_max_allocated_bytes");
   if (json_.is_open()) {
     nlohmann::json j{{"iteration", s.iteration},   {"loss", s.loss},
                      {"lr", s.lr},                 {"grad_norm", s.grad_norm},
@@ -228,6 +234,7 @@ void Trainer::log(const IterationStats& s, const std::map<std::string, int64_t>&
                      {"comm_bytes", comm_bytes}};
     nlohmann::json memory(mem);
     memory["rss_bytes"] = rss;
+    for (const auto& [k, v] : device_mem) memory[k] = v;
     j["memory_bytes"] = memory;
     if (last_val_loss_ >= 0) j["val_loss"] = last_val_loss_;
     json_ << j.dump() << "\n";
@@ -238,7 +245,7 @@ void Trainer::log(const IterationStats& s, const std::map<std::string, int64_t>&
                 "learning rate: %.3E | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f | skipped: %d | "
                 "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)\n",
                 "megatorch", s.iteration, args_.train_iters, s.iteration * args_.global_batch_size, s.seconds * 1e3,
-                s.lr, s.loss, s.loss_scale, s.grad_norm, s.skipped ? 1 : 0, tokens_per_s, tflops, human(rss).c_str(),
+                s.lr, s.loss, s.loss_scale, s.grad_norm, s.skipped ? 1 : 0, tokens_per_s, tflops, human(shown).c_str(),
                 human(mem.at("total_bytes")).c_str());
   } else {
     std::printf("\r  iteration %ld/%ld  loss %.4f  %.0f ms ", s.iteration, args_.train_iters, s.loss, s.seconds * 1e3);
@@ -257,8 +264,16 @@ IterationStats Trainer::train() {
     }
     return last;
   }
+  const int64_t first = iteration_;
   while (iteration_ < args_.train_iters) {
     last = train_step();
+    // Megatron's memory report: once, after the run's first iteration, from every rank of
+    // the first DP replica (the others hold the same).
+    const std::string memory = device_memory_line(device_memory_stats(state_->device()));
+    if (iteration_ == first + 1 && state_->dp_rank() == 0 && !memory.empty()) {
+      std::printf("\n[Rank %ld] (after %ld iterations) %s\n", state_->rank(), iteration_, memory.c_str());
+      std::fflush(stdout);
+    }
     std::map<std::string, int64_t> comm_bytes;
     for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kData, "dp"}, {GroupKind::kPipeline, "pp"}}) {
       comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
@@ -292,7 +307,7 @@ double Trainer::forward_only_loss(const std::vector<pipeline::MicroBatch>& mbs) 
   const int64_t p = state_->pp_size(), v = stage_->num_chunks(), r = state_->pp_rank();
   std::unique_ptr<comm::Group> pp;
   if (p > 1) pp = std::make_unique<comm::Group>(state_->group_name(GroupKind::kPipeline));
-  double sum = 0;
+  at::Tensor sum;  // on the device: one synchronisation per evaluation batch, not per micro-batch
   for (const auto& mb : mbs) {
     at::Tensor h;
     for (int64_t vs = 0; vs < p * v; ++vs) {
@@ -310,13 +325,14 @@ double Trainer::forward_only_loss(const std::vector<pipeline::MicroBatch>& mbs) 
       }
       h = chunk->forward(input);
       if (vs == p * v - 1) {
-        sum += chunk->per_token_loss(h, mb.labels).mean().item<double>();
+        const at::Tensor loss = chunk->per_token_loss(h, mb.labels).mean().to(at::kDouble);
+        sum = sum.defined() ? sum + loss : loss;
       } else if (p > 1) {
         pp->send(h.contiguous(), (vs + 1) % p, vs + 1);
       }
     }
   }
-  return sum / static_cast<double>(mbs.size());
+  return sum.defined() ? sum.item<double>() / static_cast<double>(mbs.size()) : 0.0;
 }
 
 double Trainer::evaluate(data::Split split, int64_t iters) {
@@ -325,7 +341,8 @@ double Trainer::evaluate(data::Split split, int64_t iters) {
   stage_->eval();
   double total = 0;
   // Each evaluation walks the split from its start, so every evaluation sees the same data.
-  for (int64_t i = 0; i < iters; ++i) total += reduce_loss(forward_only_loss(micro_batches(ds, i * args_.global_batch_size)));
+  MicroBatchLoader batches(ds, loader_options());
+  for (int64_t i = 0; i < iters; ++i) total += reduce_loss(forward_only_loss(batches.load(i * args_.global_batch_size)));
   stage_->train();
   return total / static_cast<double>(iters);
 }
@@ -381,6 +398,8 @@ void Trainer::save_checkpoint() {
   // The default generator and the TP tracker's streams (dropout inside TP regions): a
   // resumed run draws the same masks as an uninterrupted one.
   st.rank_state = {{"cpu_rng", state_bytes(tp::default_generator_state(c10::kCPU))}};
+  // On a GPU dropout draws from the device's generator (its seed and offset).
+  if (state_->device().is_cuda()) st.rank_state["cuda_rng"] = state_bytes(tp::default_generator_state(state_->device()));
   if (const auto& tracker = stage_->chunk(0)->options.rng()) {
     for (const auto& [name, state] : tracker->snapshot().states) st.rank_state["rng_streams"][name] = state_bytes(state);
   }
@@ -425,9 +444,14 @@ bool Trainer::load_checkpoint() {
   const auto& rank_state = loaded.state.rank_state;  // null unless the layout is the same
   if (!rank_state.is_null() && rank_state.contains("cpu_rng")) {
     tp::set_default_generator_state(c10::kCPU, state_tensor(rank_state.at("cpu_rng")));
+    // A run saved on another kind of device has no state for this one: its masks restart.
+    if (state_->device().is_cuda() && rank_state.contains("cuda_rng")) {
+      tp::set_default_generator_state(state_->device(), state_tensor(rank_state.at("cuda_rng")));
+    }
     const auto& tracker = stage_->chunk(0)->options.rng();
-    if (tracker && rank_state.contains("rng_streams")) {
-      tp::RngTracker::Snapshot snap{tp::default_generator_state(c10::kCPU), {}};
+    const bool same_kind = tracker && (tracker->device().is_cpu() || rank_state.contains("cuda_rng"));
+    if (same_kind && rank_state.contains("rng_streams")) {
+      tp::RngTracker::Snapshot snap{tp::default_generator_state(tracker->device()), {}};
       for (const auto& [name, bytes] : rank_state.at("rng_streams").items()) snap.states[name] = state_tensor(bytes);
       tracker->restore(snap);
     }

@@ -11,6 +11,10 @@
 namespace megatorch::train {
 
 struct TrainArguments {
+  // Device and communication
+  std::string device = "auto";               // auto | cpu | cuda | cuda:N (device_selection.h)
+  std::string distributed_backend = "auto";  // auto (NCCL on CUDA, Gloo on CPU) | nccl | gloo
+  double distributed_timeout_minutes = 0;    // 0: MEGATORCH_COMM_TIMEOUT_S, else 10 minutes
   // Parallelism
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;

@@ -18,6 +18,7 @@
 #include "megatorch/pipeline/executor.h"
 #include "megatorch/pipeline/pipeline_stage.h"
 #include "megatorch/train/arguments.h"
+#include "megatorch/train/batch_loader.h"
 #include "megatorch/train/lr_schedule.h"
 
 namespace megatorch::train {
@@ -56,7 +57,7 @@ class Trainer {
   bool is_logging_rank() const;
 
  private:
-  std::vector<pipeline::MicroBatch> micro_batches(const data::SampleDataset& ds, int64_t first_sample) const;
+  MicroBatchLoaderOptions loader_options() const;
   std::vector<models::GPTModel> chunks() const;
   std::vector<ckpt::ShardedEntry> checkpoint_entries();
   double forward_only_loss(const std::vector<pipeline::MicroBatch>& mbs);
@@ -70,6 +71,7 @@ class Trainer {
   std::shared_ptr<optim::DynamicLossScaler> scaler_;
   std::unique_ptr<optim::DistributedOptimizer> optimizer_;
   data::GPTDatasets data_;
+  std::unique_ptr<MicroBatchLoader> train_batches_;
   LRSchedule lr_;
   int64_t iteration_ = 0;
   int64_t lr_step_ = 0;  // iterations whose update was applied: the LR schedule's clock, as Megatron's

@@ -1,0 +1,82 @@
+#include "megatorch/train/batch_loader.h"
+
+#include <ATen/ATen.h>
+
+#include "megatorch/check.h"
+
+namespace megatorch::train {
+
+MicroBatchLoader::MicroBatchLoader(const data::SampleDataset& dataset, MicroBatchLoaderOptions options)
+    : dataset_(dataset), options_(std::move(options)) {
+  const auto& o = options_;
+  MEGATORCH_CHECK(o.micro_batch_size() >= 1 && o.num_micro_batches() >= 1 && o.data_parallel_size() >= 1 &&
+                      o.data_parallel_rank() >= 0 && o.data_parallel_rank() < o.data_parallel_size() &&
+                      o.seq_length() >= 1,
+                  "MicroBatchLoader: expected micro_batch_size, num_micro_batches, data_parallel_size, seq_length >= 1 "
+                  "and 0 <= data_parallel_rank < data_parallel_size; got ",
+                  o.micro_batch_size(), ", ", o.num_micro_batches(), ", ", o.data_parallel_size(), ", ", o.seq_length(),
+                  " and rank ", o.data_parallel_rank());
+}
+
+MicroBatchLoader::~MicroBatchLoader() {
+  if (next_.valid()) next_.wait();
+}
+
+int64_t MicroBatchLoader::global_batch_size() const {
+  return options_.micro_batch_size() * options_.num_micro_batches() * options_.data_parallel_size();
+}
+
+std::vector<pipeline::MicroBatch> MicroBatchLoader::read_host(int64_t first_sample) const {
+  const int64_t b = options_.micro_batch_size(), dp = options_.data_parallel_size(), s = options_.seq_length();
+  MEGATORCH_CHECK(first_sample >= 0 && first_sample + global_batch_size() <= dataset_.size(), "gpt_pretrain: the dataset has ",
+                  dataset_.size(), " samples, the run needs ", first_sample + global_batch_size(),
+                  "; lower --train-iters/--eval-iters or add data");
+  const auto host = at::TensorOptions().dtype(at::kLong).pinned_memory(pins_memory());
+  std::vector<pipeline::MicroBatch> out;
+  for (int64_t k = 0; k < options_.num_micro_batches(); ++k) {
+    const int64_t first = first_sample + k * b * dp + options_.data_parallel_rank() * b;
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < b; ++i) rows.push_back(dataset_.get(first + i));
+    const at::Tensor tokens = at::stack(rows);
+    MEGATORCH_CHECK(tokens.size(1) == s + 1, "gpt_pretrain: expected samples of seq_length + 1 = ", s + 1,
+                    " tokens, the dataset gives ", tokens.size(1));
+    pipeline::MicroBatch mb{at::empty({b, s}, host), at::empty({b, s}, host)};
+    mb.ids.copy_(tokens.narrow(1, 0, s));
+    mb.labels.copy_(tokens.narrow(1, 1, s));
+    out.push_back(std::move(mb));
+  }
+  return out;
+}
+
+std::vector<pipeline::MicroBatch> MicroBatchLoader::to_device(std::vector<pipeline::MicroBatch> host) const {
+  if (options_.device().is_cpu()) return host;
+  // From pinned memory the copies are asynchronous on the current stream, ordered before
+  // the kernels that read them; the caching host allocator keeps the pinned blocks until
+  // the copies are done.
+  for (auto& mb : host) {
+    mb.ids = mb.ids.to(options_.device(), /*non_blocking=*/true);
+    mb.labels = mb.labels.to(options_.device(), /*non_blocking=*/true);
+  }
+  return host;
+}
+
+std::vector<pipeline::MicroBatch> MicroBatchLoader::load(int64_t first_sample) {
+  std::vector<pipeline::MicroBatch> host;
+  if (next_.valid() && next_first_ == first_sample) {
+    host = next_.get();  // rethrows what the worker threw
+    ++prefetched_loads_;
+  } else {
+    if (next_.valid()) next_.wait();  // a preparation nobody asked for (e.g. after a resume)
+    next_ = {};
+    host = read_host(first_sample);
+  }
+  const int64_t following = first_sample + global_batch_size();
+  next_first_ = -1;
+  if (options_.prefetch() && following + global_batch_size() <= dataset_.size()) {
+    next_first_ = following;
+    next_ = std::async(std::launch::async, [this, following] { return read_host(following); });
+  }
+  return to_device(std::move(host));
+}
+
+}  // namespace megatorch::train
