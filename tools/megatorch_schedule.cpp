@@ -1,5 +1,6 @@
 // megatorch-schedule: builds a pipeline schedule, simulates it and reports its bubble,
-// makespan and activations in flight per rank; optionally draws its timeline as SVG.
+// makespan and activations in flight per rank; checks the executor's p2p batches
+// against NCCL's rules (nccl_order_model.h); optionally draws its timeline as SVG.
 //
 //   megatorch-schedule --schedule interleaved --pipeline-model-parallel-size 4
 //       --num-microbatches 8 --virtual-pipeline-model-parallel-size 2 --json --svg t.svg
@@ -9,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "megatorch/check.h"
+#include "megatorch/pipeline/nccl_order_model.h"
+#include "megatorch/pipeline/p2p_batches.h"
 #include "megatorch/pipeline/schedule.h"
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/pipeline/timeline_svg.h"
@@ -21,11 +24,12 @@ struct Args {
   std::string schedule = "1f1b";
   int64_t p = 0, m = 0, v = 1;
   mp::SimulatorOptions costs;
-  bool json = false, list_actions = false;
+  bool json = false, list_actions = false, list_steps = false;
   std::string svg;
 };
 
-nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim) {
+nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
+                           const mp::NcclOrderReport& nccl) {
   const mp::Ratio formula = mp::formula_bubble_fraction(kind, a.p, a.m, a.v);
   nlohmann::json j;
   j["schedule"] = mp::schedule_kind_name(kind);
@@ -48,10 +52,19 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
   j["busy"] = per_rank([](const mp::RankReport& r) { return r.busy; });
   j["idle"] = per_rank([](const mp::RankReport& r) { return r.idle; });
   j["bubble_per_rank"] = per_rank([](const mp::RankReport& r) { return r.bubble.str(); });
+  j["nccl"] = {{"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
+               {"batches", nccl.batches},
+               {"ops", nccl.ops},
+               {"max_batch", nccl.max_batch},
+               {"deadlock_free", true},
+               {"makespan", nccl.makespan},
+               {"bubble_fraction", nccl.bubble_fraction.value()},
+               {"bubble_fraction_exact", nccl.bubble_fraction.str()}};
   return j;
 }
 
-void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim) {
+void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
+                   const mp::NcclOrderReport& nccl) {
   const mp::Ratio formula = mp::formula_bubble_fraction(kind, a.p, a.m, a.v);
   std::printf("schedule %s: %lld stages, %lld micro-batches, %lld chunk(s) per stage\n", mp::schedule_kind_name(kind),
               static_cast<long long>(a.p), static_cast<long long>(a.m), static_cast<long long>(a.v));
@@ -73,6 +86,11 @@ void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationRes
   }
   if (a.v > 1) std::printf("(in flight counts chunk activations: one chunk is 1/%lld of a stage)\n",
                            static_cast<long long>(a.v));
+  std::printf("NCCL p2p: %lld batches of at most %lld ops (%lld ops, receives posted %s): no deadlock, no "
+              "mismatch; bubble when sends wait for their receivers %s = %.4f\n",
+              static_cast<long long>(nccl.batches), static_cast<long long>(nccl.max_batch),
+              static_cast<long long>(nccl.ops), mp::recv_posting_name(mp::recv_posting(kind)),
+              nccl.bubble_fraction.str().c_str(), nccl.bubble_fraction.value());
 }
 
 int run(const Args& a) {
@@ -81,6 +99,8 @@ int run(const Args& a) {
   mp::SimulatorOptions costs = a.costs;
   costs.record_timeline = !a.svg.empty() || a.list_actions;
   const mp::SimulationResult sim = mp::simulate(lists, a.m, a.v, costs);
+  // Throws, naming ranks and actions, if the executor's batches would deadlock on NCCL.
+  const mp::NcclOrderReport nccl = mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs);
   if (!a.svg.empty()) {
     std::vector<mp::TimelineRecord> records;
     for (size_t r = 0; r < sim.ranks.size(); ++r)
@@ -97,16 +117,23 @@ int run(const Args& a) {
     mp::write_timeline_svg(a.svg, records, svg);
   }
   if (a.json) {
-    std::cout << report_json(a, kind, sim).dump() << std::endl;
+    std::cout << report_json(a, kind, sim, nccl).dump() << std::endl;
     return 0;
   }
-  print_summary(a, kind, sim);
+  print_summary(a, kind, sim, nccl);
   if (a.list_actions) {
     for (size_t r = 0; r < sim.ranks.size(); ++r) {
       std::printf("rank %zu:\n", r);
       for (const auto& t : sim.ranks[r].timeline)
         std::printf("  [%lld, %lld] %s\n", static_cast<long long>(t.start), static_cast<long long>(t.end),
                     mp::to_string(t.action).c_str());
+    }
+  }
+  if (a.list_steps) {
+    for (int64_t r = 0; r < a.p; ++r) {
+      std::printf("rank %lld steps:\n", static_cast<long long>(r));
+      for (const auto& step : mp::schedule_p2p_steps(kind, a.p, a.m, a.v, r))
+        std::printf("  %s\n", mp::to_string(step).c_str());
     }
   }
   if (!a.svg.empty()) std::printf("timeline written to %s\n", a.svg.c_str());
@@ -129,6 +156,7 @@ int main(int argc, char** argv) {
   app.add_option("--p2p-cost", a.costs.p2p_cost, "transfer latency in ticks (overlaps compute)")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object instead of the summary");
   app.add_flag("--actions", a.list_actions, "also print every rank's timed action list");
+  app.add_flag("--p2p-steps", a.list_steps, "also print every rank's steps as the executor posts them (NCCL batches)");
   app.add_option("--svg", a.svg, "write the timeline as SVG to this file");
   try {
     app.parse(argc, argv);
