@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdlib>
+#include <sstream>
 
 #include "megatorch/check.h"
 #include "megatorch/parallel/launch_env.h"
@@ -40,7 +41,7 @@ std::chrono::milliseconds group_timeout(const c10::intrusive_ptr<c10d::ProcessGr
 }
 
 [[noreturn]] void fail(const CollectiveInfo& i, const std::string& cause) {
-  MEGATORCH_FAIL("collective ", comm_op_name(i.op), " #", i.seq, " on group '", i.group, "' (rank ",
+  MEGATORCH_FAIL("collective ", comm_op_name(i.op), " #", i.seq, i.detail, " on group '", i.group, "' (rank ",
                  i.rank, " of ", i.size, ", backend ", i.backend, ", timeout ", i.timeout.count() / 1000.0,
                  " s) failed: ", cause,
                  "\nEvery rank of the group must call the same collectives in the same order; a rank "
@@ -53,23 +54,39 @@ std::chrono::milliseconds group_timeout(const c10::intrusive_ptr<c10d::ProcessGr
 // ---------------------------------------------------------------------------- Work
 
 Work::Work(c10::intrusive_ptr<c10d::Work> work, CollectiveInfo info, std::function<at::Tensor()> finish)
-    : work_(std::move(work)), info_(std::move(info)), finish_(std::move(finish)) {}
+    : info_(std::move(info)), finish_(std::move(finish)) {
+  if (work) works_.push_back(std::move(work));
+}
+
+Work::Work(std::vector<c10::intrusive_ptr<c10d::Work>> works, CollectiveInfo info, std::function<at::Tensor()> finish,
+           std::vector<at::Tensor> keep_alive)
+    : works_(std::move(works)), info_(std::move(info)), finish_(std::move(finish)),
+      keep_alive_(std::move(keep_alive)) {}
 
 at::Tensor Work::wait() {
-  if (waited_ || !work_) return result_;
-  try {
-    work_->wait(info_.timeout);
-  } catch (const std::exception& e) {
-    waited_ = true;
-    fail(info_, e.what());
+  if (waited_) return result_;
+  for (auto& work : works_) {
+    try {
+      work->wait(info_.timeout);
+    } catch (const std::exception& e) {
+      // The tensors stay referenced: a failed backend may still touch them.
+      waited_ = true;
+      fail(info_, e.what());
+    }
   }
   waited_ = true;
   if (finish_) result_ = finish_();
   finish_ = nullptr;
+  keep_alive_.clear();
   return result_;
 }
 
-bool Work::is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
+bool Work::is_completed() const {
+  if (waited_) return true;
+  for (const auto& work : works_)
+    if (!work->isCompleted()) return false;
+  return true;
+}
 
 // --------------------------------------------------------------------------- Group
 
@@ -240,6 +257,73 @@ Work Group::recv_async(at::Tensor& tensor, int64_t src, int64_t tag) {
 }
 
 at::Tensor Group::recv(at::Tensor& tensor, int64_t src, int64_t tag) { return recv_async(tensor, src, tag).wait(); }
+
+Work Group::batch_p2p(const std::vector<P2POp>& ops) {
+  if (ops.empty()) return Work();
+  const c10::DeviceType device = ops.front().tensor.defined() ? ops.front().tensor.device().type() : c10::kCPU;
+  std::ostringstream detail;
+  detail << " (first of a batch of " << ops.size() << " p2p ops:";
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& op = ops[i];
+    const bool send = op.kind == P2POp::Kind::kSend;
+    MEGATORCH_CHECK(op.tensor.defined(), "batch_p2p on group '", name_, "': op ", i, " has no tensor");
+    MEGATORCH_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "batch_p2p on group '", name_, "': expected ",
+                    send ? "a destination" : "a source", " rank in [0, ", size_, ") other than this rank ", rank_,
+                    " for op ", i, ", got ", op.peer);
+    MEGATORCH_CHECK(op.tensor.device().type() == device, "batch_p2p on group '", name_,
+                    "': expected every tensor of a batch on one device type (one backend), got ",
+                    c10::DeviceTypeName(device), " for op 0 and ", c10::DeviceTypeName(op.tensor.device().type()),
+                    " for op ", i, "; post them as separate batches");
+    detail << (i ? ", " : " ") << (send ? "send to " : "recv from ") << op.peer << " tag " << op.tag;
+  }
+  detail << ")";
+  const auto backend = pg_->getBackend(device);
+  const bool coalesce = backend->supportsCoalescing();
+  const std::string backend_name = backend->getBackendName();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> keep_alive;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (contiguous buffer, non-contiguous target)
+  CollectiveInfo info;
+  if (coalesce) pg_->startCoalescing(device);
+  try {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const P2POp& op = ops[i];
+      const bool send = op.kind == P2POp::Kind::kSend;
+      auto op_info = begin(send ? CommOp::kSend : CommOp::kRecv, op.tensor.nbytes(), backend_name);
+      if (i == 0) info = op_info;
+      at::Tensor buf = op.tensor.is_contiguous() ? op.tensor : op.tensor.contiguous();
+      keep_alive.push_back(buf);
+      if (!send && !buf.is_same(op.tensor)) copy_back.emplace_back(buf, op.tensor);
+      std::vector<at::Tensor> bufs{buf};
+      auto work = send ? pg_->send(bufs, static_cast<int>(op.peer), static_cast<int>(op.tag))
+                       : pg_->recv(bufs, static_cast<int>(op.peer), static_cast<int>(op.tag));
+      // Inside a coalesced group the per-op works are placeholders; endCoalescing's covers all.
+      if (!coalesce && work) works.push_back(std::move(work));
+    }
+  } catch (...) {
+    if (coalesce) {
+      try {
+        pg_->endCoalescing(device);  // close the group so the process group stays usable
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  if (coalesce) {
+    auto work = pg_->endCoalescing(device);
+    if (work) works.push_back(std::move(work));
+  }
+  info.detail = detail.str();
+  std::function<at::Tensor()> finish;
+  if (!copy_back.empty()) {
+    finish = [copy_back]() mutable {
+      for (auto& [buf, target] : copy_back) target.copy_(buf);
+      return at::Tensor();
+    };
+  }
+  for (auto& [buf, target] : copy_back) keep_alive.push_back(target);
+  return Work(std::move(works), info, std::move(finish), std::move(keep_alive));
+}
 
 void Group::barrier() {
   if (size_ == 1) return;

@@ -8,9 +8,11 @@
 
 #include <chrono>
 #include <map>
+#include <memory>
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/pipeline/p2p_batches.h"
 
 namespace megatorch::pipeline {
 namespace {
@@ -18,18 +20,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Key = std::pair<int64_t, int64_t>;  // (micro-batch, chunk)
 
-// A distinct tag per message: its kind, micro-batch and receiving virtual stage, which
-// sender and receiver both know (an action's chunk is its own rank's chunk), so Gloo can
-// never pair the wrong send and receive between the same two ranks.
+// A distinct tag per message (kind, micro-batch, receiving virtual stage: p2p_message,
+// which sender and receiver compute alike), so Gloo, which pairs by tag, can never pair
+// the wrong send and receive between two ranks. NCCL ignores tags and pairs by issue
+// order, which the batches' order guarantees (nccl_order_model.h).
 int64_t tag_of(const Action& a, int64_t rank, int64_t p, int64_t v) {
-  const int64_t here = virtual_stage(a.chunk, rank, p);
-  switch (a.kind) {
-    case ActionKind::kSendActivation: return (a.microbatch * p * v + here + 1) * 2;
-    case ActionKind::kRecvActivation: return (a.microbatch * p * v + here) * 2;
-    case ActionKind::kSendGrad: return (a.microbatch * p * v + here - 1) * 2 + 1;
-    case ActionKind::kRecvGrad: return (a.microbatch * p * v + here) * 2 + 1;
-    default: return -1;
-  }
+  const P2PMessage msg = p2p_message(a, rank, p);
+  return (msg.microbatch * p * v + msg.to_stage) * 2 + (msg.gradient ? 1 : 0);
 }
 
 // Backward from `output` with `grad` through the engine directly: the output's data
@@ -76,10 +73,13 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
 
   PipelineStepResult result;
   std::map<Key, Stash> stash;
-  std::map<Key, comm::Work> recv_act, recv_grad;
+  // A posted batch, shared by the receives it brings and the sends it carries; waited at
+  // most once (waiting again is free).
+  using Batch = std::shared_ptr<comm::Work>;
+  std::vector<Batch> batches;  // all of them, waited at the end of the step
+  std::map<Key, Batch> recv_act, recv_grad;
   std::map<Key, at::Tensor> recv_act_buf, recv_grad_buf;
-  std::vector<std::pair<comm::Work, Key>> pending_sends;  // outputs freed once their send is done
-  std::vector<std::pair<comm::Work, at::Tensor>> grad_sends;  // kept alive until done
+  std::vector<std::pair<Batch, Key>> pending_sends;  // outputs freed once their batch is done
   at::Tensor loss_sum;
   // A stashed micro-batch holds one [s, b, h] activation's worth for its backward.
   int64_t act_bytes = static_cast<int64_t>(at::empty({0}, act_opts).element_size());
@@ -91,11 +91,11 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
 
   auto free_sent_outputs = [&](bool all) {
     for (auto it = pending_sends.begin(); it != pending_sends.end();) {
-      if (!all && !it->first.is_completed()) {
+      if (!all && !it->first->is_completed()) {
         ++it;
         continue;
       }
-      it->first.wait();
+      it->first->wait();
       auto st = stash.find(it->second);
       if (options.deallocate_outputs() && st != stash.end() && st->second.output.defined()) {
         st->second.output.set_data(at::empty({0}, st->second.output.options()));
@@ -103,23 +103,68 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
       it = pending_sends.erase(it);
     }
   };
+  // The input a compute consumes: wait for the batch that brings it.
+  auto take = [&](std::map<Key, Batch>& works, std::map<Key, at::Tensor>& bufs, const Key& key, const Action& a) {
+    auto w = works.find(key);
+    MEGATORCH_CHECK(w != works.end(), "pipeline: rank ", rank, " runs ", to_string(a),
+                    " but no batch posted its receive; the schedule's steps must receive before they compute");
+    w->second->wait();
+    works.erase(w);
+    at::Tensor buf = bufs.at(key);
+    bufs.erase(key);
+    return buf;
+  };
 
-  for (const Action& a : actions) {
+  // Transfers go out in the schedule's batches (p2p_batches.h): on NCCL each batch is one
+  // group, which is what keeps the 1F1B steady state and the interleaved schedule from
+  // deadlocking; on Gloo the same ops are posted one by one with their tags.
+  for (const P2PStep& step : p2p_steps(actions, rank, p, recv_posting(options.schedule()))) {
+    if (step.is_batch()) {
+      std::vector<comm::P2POp> ops;
+      ops.reserve(step.batch.size());
+      std::vector<std::pair<const Action*, at::Tensor>> recvs;
+      for (const Action& a : step.batch) {
+        const Key key{a.microbatch, a.chunk};
+        comm::P2POp op;
+        op.peer = a.peer;
+        op.tag = tag_of(a, rank, p, v);
+        switch (a.kind) {
+          case ActionKind::kRecvActivation:
+          case ActionKind::kRecvGrad:
+            op.kind = comm::P2POp::Kind::kRecv;
+            op.tensor = at::empty(act_shape, act_opts);
+            recvs.emplace_back(&a, op.tensor);
+            break;
+          case ActionKind::kSendActivation:
+            op.tensor = stash.at(key).output.detach();
+            break;
+          case ActionKind::kSendGrad: {
+            const at::Tensor& input = stash.at(key).input;
+            MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
+                            " chunk ", a.chunk, "; the stage's output does not depend on its input");
+            op.tensor = input.grad();  // the batch's Work keeps it alive until sent
+            break;
+          }
+          default:
+            MEGATORCH_FAIL("pipeline: expected only sends and receives in a p2p batch, got ", to_string(a));
+        }
+        ops.push_back(std::move(op));
+      }
+      Batch batch = std::make_shared<comm::Work>(pp->batch_p2p(ops));
+      batches.push_back(batch);
+      for (auto& [a, buf] : recvs) {
+        const Key key{a->microbatch, a->chunk};
+        const bool act = a->kind == ActionKind::kRecvActivation;
+        (act ? recv_act : recv_grad).emplace(key, batch);
+        (act ? recv_act_buf : recv_grad_buf).emplace(key, buf);
+      }
+      for (const Action& a : step.batch)
+        if (a.kind == ActionKind::kSendActivation) pending_sends.emplace_back(batch, Key{a.microbatch, a.chunk});
+      continue;
+    }
+    const Action& a = step.compute;
     const Key key{a.microbatch, a.chunk};
-    const int64_t tag = tag_of(a, rank, p, v);
     switch (a.kind) {
-      case ActionKind::kRecvActivation: {
-        at::Tensor buf = at::empty(act_shape, act_opts);
-        recv_act.emplace(key, pp->recv_async(buf, a.peer, tag));
-        recv_act_buf.emplace(key, buf);
-        break;
-      }
-      case ActionKind::kRecvGrad: {
-        at::Tensor buf = at::empty(act_shape, act_opts);
-        recv_grad.emplace(key, pp->recv_async(buf, a.peer, tag));
-        recv_grad_buf.emplace(key, buf);
-        break;
-      }
       case ActionKind::kForward: {
         // Compute starts once the input is here: waiting on the receive is bubble, not work.
         auto start = Clock::now();
@@ -133,11 +178,8 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
           input = prev.output.detach().requires_grad_(true);
           s.input = input;
         } else {
-          recv_act.at(key).wait();
+          input = take(recv_act, recv_act_buf, key, a).requires_grad_(true);
           start = Clock::now();
-          recv_act.erase(key);
-          input = recv_act_buf.at(key).requires_grad_(true);
-          recv_act_buf.erase(key);
           s.input = input;
         }
         at::Tensor out = model->forward(input);
@@ -157,10 +199,6 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         result.timeline.push_back({rank, a, seconds(start), seconds(Clock::now())});
         break;
       }
-      case ActionKind::kSendActivation: {
-        pending_sends.emplace_back(pp->send_async(stash.at(key).output.detach(), a.peer, tag), key);
-        break;
-      }
       case ActionKind::kBackward: {
         auto start = Clock::now();
         free_sent_outputs(false);
@@ -171,22 +209,13 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         } else if (p == 1) {  // interleaved on one rank: the next chunk's input gradient
           backward_from(s.output, stash.at({a.microbatch, a.chunk + 1}).input.grad());
         } else {
-          recv_grad.at(key).wait();
+          const at::Tensor grad = take(recv_grad, recv_grad_buf, key, a);
           start = Clock::now();
-          recv_grad.erase(key);
-          backward_from(s.output, recv_grad_buf.at(key));
-          recv_grad_buf.erase(key);
+          backward_from(s.output, grad);
         }
         stashed -= 1;
         s.output = at::Tensor();
         result.timeline.push_back({rank, a, seconds(start), seconds(Clock::now())});
-        break;
-      }
-      case ActionKind::kSendGrad: {
-        const at::Tensor& input = stash.at(key).input;
-        MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
-                        " chunk ", a.chunk, "; the stage's output does not depend on its input");
-        grad_sends.emplace_back(pp->send_async(input.grad(), a.peer, tag), input.grad());
         break;
       }
       default:
@@ -194,7 +223,7 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
     }
   }
   free_sent_outputs(true);
-  for (auto& [work, tensor] : grad_sends) work.wait();
+  for (auto& batch : batches) batch->wait();
   // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
   stash.clear();
   for (const auto& r : result.timeline) result.busy_s += r.end - r.start;

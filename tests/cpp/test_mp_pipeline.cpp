@@ -64,7 +64,20 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
                                           .tp_group(tpg.name())
                                           .pp_group(ppg.name())
                                           .virtual_chunks(v));
+        ppg.reset_stats();
         auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind));
+        // The batches count one send or recv per transfer of the schedule, one activation each.
+        int64_t sends = 0, recvs = 0;
+        for (const auto& a : pipeline::build_schedule(kind, ppn, m, v, ppg.rank())) {
+          sends += pipeline::is_send(a.kind) ? 1 : 0;
+          recvs += pipeline::is_recv(a.kind) ? 1 : 0;
+        }
+        const auto act = stage->activation_shape(2);
+        const int64_t act_bytes = act[0] * act[1] * act[2] * 4;
+        CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].calls == sends);
+        CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * act_bytes);
+        CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].calls == recvs);
+        CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].bytes == recvs * act_bytes);
         stage->allreduce_tied_embedding_grads();
         stage->allreduce_sequence_parallel_grads();
         if (ppg.rank() == ppg.size() - 1) {
@@ -95,6 +108,34 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
       }
     }
   }
+}
+
+TEST_CASE("batch_p2p posts a batch both ways, counts each op, fills non-contiguous buffers", "[mp][pipeline]") {
+  using megatorch::comm::CommOp;
+  using megatorch::comm::P2POp;
+  auto st = mp::state(1, mp::world_size(), "pipe_batch");
+  Group g(*st, GroupKind::kPipeline);
+  const int64_t n = g.size(), r = g.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  g.reset_stats();
+  // Both neighbours at once (one peer twice when n = 2: the tags keep Gloo's pairs apart).
+  auto from_prev = torch::empty({3, 2}).t();  // non-contiguous: received into a copy, then written back
+  auto from_next = torch::empty({4});
+  auto work = g.batch_p2p({{P2POp::Kind::kSend, torch::full({2, 3}, static_cast<double>(r)), next, 0},
+                           {P2POp::Kind::kSend, torch::full({4}, 100.0 + r), prev, 1},
+                           {P2POp::Kind::kRecv, from_prev, prev, 0},
+                           {P2POp::Kind::kRecv, from_next, next, 1}});
+  work.wait();
+  CHECK(work.is_completed());
+  CHECK(torch::equal(from_prev, torch::full({2, 3}, static_cast<double>(prev))));
+  CHECK(torch::equal(from_next, torch::full({4}, 100.0 + next)));
+  CHECK(g.stats()[CommOp::kSend].calls == 2);
+  CHECK(g.stats()[CommOp::kSend].bytes == (6 + 4) * 4);
+  CHECK(g.stats()[CommOp::kRecv].calls == 2);
+  CHECK(g.stats()[CommOp::kRecv].bytes == (6 + 4) * 4);
+  CHECK(g.batch_p2p({}).is_completed());
+  CHECK_THROWS_WITH(g.batch_p2p({{P2POp::Kind::kSend, torch::ones({1}), r, 0}}),
+                    Catch::Contains("other than this rank " + std::to_string(r)));
+  CHECK(g.stats()[CommOp::kSend].calls == 2);  // a rejected batch posts and counts nothing
 }
 
 TEST_CASE("stages built from different configurations fail on every rank, before any p2p", "[mp][pipeline]") {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/parallel/parallel_state.h"
@@ -30,25 +31,40 @@ struct CollectiveInfo {
   int64_t size = 1;
   std::string backend;
   std::chrono::milliseconds timeout{0};
+  std::string detail;  // more about the operation (the ops of a p2p batch), or empty
 };
 
 // An in-flight collective. wait() blocks (up to the group's timeout), finishes any
-// emulation step and returns the result tensor (undefined for barrier/send).
+// emulation step and returns the result tensor (undefined for barrier/send/batch_p2p).
 class Work {
  public:
   Work() = default;  // already complete (e.g. a group of one rank)
   explicit Work(at::Tensor done) : result_(std::move(done)) {}
   Work(c10::intrusive_ptr<c10d::Work> work, CollectiveInfo info, std::function<at::Tensor()> finish);
+  // One operation made of several c10d works (a p2p batch posted op by op). `keep_alive`:
+  // tensors the backend still reads or writes, held until wait() returns.
+  Work(std::vector<c10::intrusive_ptr<c10d::Work>> works, CollectiveInfo info, std::function<at::Tensor()> finish,
+       std::vector<at::Tensor> keep_alive);
 
   at::Tensor wait();
   bool is_completed() const;
 
  private:
-  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   CollectiveInfo info_;
   std::function<at::Tensor()> finish_;
+  std::vector<at::Tensor> keep_alive_;
   at::Tensor result_;
   bool waited_ = false;
+};
+
+// One send or receive of a batch_p2p call.
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  at::Tensor tensor;  // the tensor sent, or the buffer received into
+  int64_t peer = 0;   // rank within the group
+  int64_t tag = 0;    // Gloo pairs by tag; NCCL ignores it and pairs by issue order
 };
 
 class Group {
@@ -83,6 +99,13 @@ class Group {
   Work send_async(const at::Tensor& tensor, int64_t dst, int64_t tag = 0);
   at::Tensor recv(at::Tensor& tensor, int64_t src, int64_t tag = 0);
   Work recv_async(at::Tensor& tensor, int64_t src, int64_t tag = 0);
+  // Posts `ops` (all on one device type) as one batch; the Work completes when they all
+  // have. Where the backend for that device coalesces (NCCL) they form one group
+  // (startCoalescing ... endCoalescing): NCCL pairs sends and receives by issue order and
+  // blocks each until its peer's match is posted, so transfers that must meet have to be
+  // posted together. Elsewhere (Gloo) each is posted alone, in order, with its tag.
+  // Counted like send_async / recv_async: one send or recv per op, its bytes.
+  Work batch_p2p(const std::vector<P2POp>& ops);
   void barrier();
 
   CommStats stats() const { return comm_stats(name_); }

@@ -1,9 +1,10 @@
 #pragma once
 #include <functional>
 // Runs a schedule's action list on this pipeline rank: non-blocking p2p over the PP
-// group (shapes known from the config), micro-batch losses averaged, gradients
-// accumulated, each stage output freed once sent (Megatron's deallocation: only its
-// autograd graph is kept). Records a timestamp per compute action for the timeline and
+// group (shapes known from the config) posted in the batches of p2p_batches.h (one NCCL
+// group each, so NCCL's in-order pairing cannot deadlock), micro-batch losses averaged,
+// gradients accumulated, each stage output freed once sent (Megatron's deallocation:
+// only its autograd graph is kept). Records a timestamp per compute action for the timeline and
 // the measured bubble, and the peak activations stashed for backward.
 #include <ATen/Tensor.h>
 
