@@ -1,9 +1,11 @@
 #include "megatorch/tp/column_parallel_linear.h"
 
 #include <ATen/ATen.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 
 #include "megatorch/check.h"
 #include "megatorch/tp/init.h"
+#include "megatorch/tp/sequence_parallel_linear.h"
 
 namespace megatorch::tp {
 
@@ -13,8 +15,20 @@ at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& wei
                                   const std::string& group, bool gather_output, bool sequence_parallel) {
   MEGATORCH_CHECK(input.size(-1) == weight.size(1), "column_parallel_linear: expected input features ",
                   weight.size(1), " (weight shard [out/tp, in] = ", weight.sizes(), "), got input ", input.sizes());
-  const at::Tensor x = map_region(sequence_parallel ? Mapping::kGatherFromSP : Mapping::kCopyToTP, input, group);
-  at::Tensor y = at::linear(x, weight, bias);
+  // Sequence parallel: one autograd function that keeps the input shard, not the gathered
+  // input, and re-gathers it in backward (sequence_parallel_linear.h). It calls the process
+  // group directly, so fake, functional and meta tensors and dispatch modes (torch.compile,
+  // opcheck, shape-only passes) take the composition of the gather operator and at::linear,
+  // which every tracer follows and which computes the same.
+  const bool traced = at::areAnyTensorSubclassLike({input, weight}) ||
+                      (bias.has_value() && bias->defined() && at::isTensorSubclassLike(*bias));
+  at::Tensor y;
+  if (sequence_parallel && !group.empty() && !traced) {
+    y = sequence_parallel_column_linear(input, weight, bias, group);
+  } else {
+    const at::Tensor x = map_region(sequence_parallel ? Mapping::kGatherFromSP : Mapping::kCopyToTP, input, group);
+    y = at::linear(x, weight, bias);
+  }
   return gather_output ? map_region(Mapping::kGatherFromTP, y, group) : y;
 }
 

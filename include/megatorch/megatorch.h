@@ -13,6 +13,7 @@
 #include "megatorch/tp/init.h"
 #include "megatorch/tp/rng_tracker.h"
 #include "megatorch/tp/row_parallel_linear.h"
+#include "megatorch/tp/sequence_parallel_linear.h"
 #include "megatorch/tp/tp_group.h"
 #include "megatorch/tp/vocab_parallel_embedding.h"
 #include "megatorch/transformer/attention.h"
