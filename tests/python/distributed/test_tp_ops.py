@@ -161,6 +161,70 @@ def test_sequence_parallel_column_then_row():
     torch.testing.assert_close(bias_grad, fc2.bias.grad, rtol=1e-5, atol=1e-6)
 
 
+def _saved_tensors(fn):
+    """The tensors autograd saves while fn() runs (torch.autograd.graph.saved_tensors_hooks)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_sequence_parallel_column_saves_the_shard_and_regathers_it(bias):
+    """Under SP the column-parallel op saves its [s/t, b, h] input shard and the weight, not
+    the all-gathered [s, b, h] input that gather_from_sp_region + linear saves, and gathers the
+    shard again in backward: one all-gather forward; one all-gather and one reduce-scatter of
+    the [s, b, h] input gradient backward. Output and gradients equal the composition's."""
+    group = dist.group.WORLD
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(S, B, H, generator=g)
+    w = torch.randn(FFN // tp, H, generator=g)
+    b = torch.randn(FFN // tp, generator=g) if bias else None
+    grad = torch.randn(S * tp, B, FFN // tp, generator=g)
+
+    def leaves():
+        return (x.clone().requires_grad_(True), w.clone().requires_grad_(True),
+                b.clone().requires_grad_(True) if bias else None)
+
+    rx, rw, rb = leaves()
+    ref, ref_saved = _saved_tensors(
+        lambda: F.linear(torch.ops.megatorch.gather_from_sp_region(rx, group.group_name), rw, rb))
+    # The composition keeps the gathered input (a view of it), tp times the shard.
+    assert any(t.numel() == tp * x.numel() and t.untyped_storage().data_ptr() != rw.untyped_storage().data_ptr()
+               for t in ref_saved)
+    ref.backward(grad)
+
+    mx, mw, mb = leaves()
+    megatorch.reset_comm_stats(group.group_name)
+    out, saved = _saved_tensors(
+        lambda: torch.ops.megatorch.column_parallel_linear(mx, mw, mb, group.group_name, False, True))
+    assert [t.shape for t in saved] == [mx.shape, mw.shape]
+    assert saved[0].untyped_storage().data_ptr() == mx.untyped_storage().data_ptr()
+    assert saved[1].untyped_storage().data_ptr() == mw.untyped_storage().data_ptr()
+    fwd = megatorch.comm_stats(group.group_name)
+    out.backward(grad)
+    stats = megatorch.comm_stats(group.group_name)
+    if tp > 1:
+        assert (fwd["all_gather"]["calls"], fwd["all_gather"]["bytes"], fwd["total"]["calls"]) == (1, x.nbytes, 1)
+        assert (stats["all_gather"]["calls"], stats["all_gather"]["bytes"]) == (2, 2 * x.nbytes)
+        assert (stats["reduce_scatter"]["calls"], stats["reduce_scatter"]["bytes"]) == (1, tp * x.nbytes)
+        assert stats["total"]["calls"] == 3
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for name, got, want in [("x", mx, rx), ("w", mw, rw)] + ([("b", mb, rb)] if bias else []):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_opcheck_sequence_parallel_column():
+    """Fake and functional tensors (torch.compile, opcheck) take the gather + linear composition."""
+    g = torch.Generator().manual_seed(6)
+    tp = dist.get_world_size()
+    args = (torch.randn(2, 3, 4, generator=g, requires_grad=True), torch.randn(2, 4, generator=g, requires_grad=True),
+            torch.randn(2, generator=g, requires_grad=True), dist.group.WORLD.group_name, False, True)
+    torch.library.opcheck(torch.ops.megatorch.column_parallel_linear.default, args)
+    assert torch.ops.megatorch.column_parallel_linear(*args).shape == (2 * tp, 3, 2)
+
+
 def _op_args(name, tp):
     g = torch.Generator().manual_seed(5)
     group = dist.group.WORLD.group_name
