@@ -229,12 +229,23 @@ Work Group::broadcast_async(at::Tensor& tensor, int64_t src) {
 
 at::Tensor Group::broadcast(at::Tensor& tensor, int64_t src) { return broadcast_async(tensor, src).wait(); }
 
+// What a send or receive hands the backend: the tensor itself when it is contiguous and
+// the backend can reach its memory; else a contiguous copy; and a host copy when Gloo
+// carries CUDA tensors (ranks sharing a GPU): Gloo's p2p reads and writes host memory only.
+// A received copy is written back into the tensor when the receive is waited for.
+at::Tensor Group::p2p_buffer(const at::Tensor& t, bool send) const {
+  if (t.is_cuda() && backend_for(t) == "gloo") {
+    return send ? t.to(at::kCPU).contiguous() : at::empty(t.sizes(), t.options().device(at::kCPU));
+  }
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
 Work Group::send_async(const at::Tensor& tensor, int64_t dst, int64_t tag) {
   MEGATORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send on group '", name_,
                   "': expected a destination rank in [0, ", size_, ") other than this rank ", rank_,
                   ", got ", dst);
   auto info = begin(CommOp::kSend, tensor.nbytes(), backend_for(tensor));
-  std::vector<at::Tensor> bufs{tensor.contiguous()};
+  std::vector<at::Tensor> bufs{p2p_buffer(tensor, /*send=*/true)};
   auto work = pg_->send(bufs, static_cast<int>(dst), static_cast<int>(tag));
   return Work(work, info, nullptr);
 }
@@ -246,7 +257,7 @@ Work Group::recv_async(at::Tensor& tensor, int64_t src, int64_t tag) {
                   "': expected a source rank in [0, ", size_, ") other than this rank ", rank_,
                   ", got ", src);
   auto info = begin(CommOp::kRecv, tensor.nbytes(), backend_for(tensor));
-  at::Tensor buf = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  at::Tensor buf = p2p_buffer(tensor, /*send=*/false);
   std::vector<at::Tensor> bufs{buf};
   auto work = pg_->recv(bufs, static_cast<int>(src), static_cast<int>(tag));
   at::Tensor target = tensor;
@@ -291,7 +302,7 @@ Work Group::batch_p2p(const std::vector<P2POp>& ops) {
       const bool send = op.kind == P2POp::Kind::kSend;
       auto op_info = begin(send ? CommOp::kSend : CommOp::kRecv, op.tensor.nbytes(), backend_name);
       if (i == 0) info = op_info;
-      at::Tensor buf = op.tensor.is_contiguous() ? op.tensor : op.tensor.contiguous();
+      at::Tensor buf = p2p_buffer(op.tensor, send);
       keep_alive.push_back(buf);
       if (!send && !buf.is_same(op.tensor)) copy_back.emplace_back(buf, op.tensor);
       std::vector<at::Tensor> bufs{buf};

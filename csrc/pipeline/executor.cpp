@@ -12,12 +12,12 @@
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/pipeline/compute_timer.h"
 #include "megatorch/pipeline/p2p_batches.h"
 
 namespace megatorch::pipeline {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using Key = std::pair<int64_t, int64_t>;  // (micro-batch, chunk)
 
 // A distinct tag per message (kind, micro-batch, receiving virtual stage: p2p_message,
@@ -85,9 +85,10 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
   int64_t act_bytes = static_cast<int64_t>(at::empty({0}, act_opts).element_size());
   for (int64_t d : act_shape) act_bytes *= d;
   int64_t stashed = 0;
-  // Monotonic clock seconds: one clock for every process of a machine, so the ranks'
-  // timelines line up when gathered (gather_timeline).
-  auto seconds = [](Clock::time_point t) { return std::chrono::duration<double>(t.time_since_epoch()).count(); };
+  // Monotonic-clock seconds (one clock for every process of a machine, so the ranks'
+  // timelines line up when gathered); device events on a GPU (compute_timer.h).
+  ComputeTimer timer(act_opts.device());
+  std::vector<Action> timed;  // the compute actions, in the timer's interval order
 
   auto free_sent_outputs = [&](bool all) {
     for (auto it = pending_sends.begin(); it != pending_sends.end();) {
@@ -166,8 +167,6 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
     const Key key{a.microbatch, a.chunk};
     switch (a.kind) {
       case ActionKind::kForward: {
-        // Compute starts once the input is here: waiting on the receive is bubble, not work.
-        auto start = Clock::now();
         models::GPTModel model = stage->chunk(a.chunk);
         Stash s;
         at::Tensor input;
@@ -179,9 +178,11 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
           s.input = input;
         } else {
           input = take(recv_act, recv_act_buf, key, a).requires_grad_(true);
-          start = Clock::now();
           s.input = input;
         }
+        // Compute starts once the input is here: waiting on the receive is bubble, not work.
+        const int64_t interval = timer.start();
+        timed.push_back(a);
         at::Tensor out = model->forward(input);
         if (stage->is_last_virtual_stage(a.chunk)) {
           const at::Tensor& labels = mbs[a.microbatch].labels;
@@ -196,26 +197,27 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         result.peak_stashed = std::max(result.peak_stashed, stashed);
         result.peak_stashed_bytes = std::max(result.peak_stashed_bytes, stashed * act_bytes);
         stash[key] = std::move(s);
-        result.timeline.push_back({rank, a, seconds(start), seconds(Clock::now())});
+        timer.stop(interval);
         break;
       }
       case ActionKind::kBackward: {
-        auto start = Clock::now();
         free_sent_outputs(false);
         Stash& s = stash.at(key);
         if (options.before_backward()) options.before_backward()(--backwards_left == 0);
+        at::Tensor grad;
         if (stage->is_last_virtual_stage(a.chunk)) {
-          backward_from(s.output, at::full_like(s.output, options.loss_scale()));
+          grad = at::full_like(s.output, options.loss_scale());
         } else if (p == 1) {  // interleaved on one rank: the next chunk's input gradient
-          backward_from(s.output, stash.at({a.microbatch, a.chunk + 1}).input.grad());
+          grad = stash.at({a.microbatch, a.chunk + 1}).input.grad();
         } else {
-          const at::Tensor grad = take(recv_grad, recv_grad_buf, key, a);
-          start = Clock::now();
-          backward_from(s.output, grad);
+          grad = take(recv_grad, recv_grad_buf, key, a);
         }
+        const int64_t interval = timer.start();
+        timed.push_back(a);
+        backward_from(s.output, grad);
+        timer.stop(interval);
         stashed -= 1;
         s.output = at::Tensor();
-        result.timeline.push_back({rank, a, seconds(start), seconds(Clock::now())});
         break;
       }
       default:
@@ -224,6 +226,8 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
   }
   free_sent_outputs(true);
   for (auto& batch : batches) batch->wait();
+  const auto spans = timer.finish();
+  for (size_t i = 0; i < timed.size(); ++i) result.timeline.push_back({rank, timed[i], spans[i].first, spans[i].second});
   // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
   stash.clear();
   for (const auto& r : result.timeline) result.busy_s += r.end - r.start;

@@ -113,6 +113,7 @@ class Group {
 
  private:
   std::string backend_for(const at::Tensor& t) const;
+  at::Tensor p2p_buffer(const at::Tensor& t, bool send) const;
   CollectiveInfo begin(CommOp op, int64_t bytes, const std::string& backend) const;
 
   std::string name_;
