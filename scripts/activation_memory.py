@@ -130,7 +130,6 @@ def reference_table_bytes(setting: str, shape: Shape, t: int) -> float:
 # Codes of the differences between megatorch and the paper's count (docs/activation_memory.md).
 DIFFERENCES = {
     "L": "LayerNorm keeps its fp32 mean and 1/std per token",
-    "G": "QKV and fc1 keep their all-gathered [s, b, h] input under SP",
     "Q": "SDPA's math path keeps scaled copies of Q and K",
     "D": "no dropout: no hidden dropout masks",
     "F": "flash attention: no s^2 tensors, a log-sum-exp per query",
@@ -152,11 +151,6 @@ def megatorch_differences(setting: str, shape: Shape, t: int, act_bytes: int, ma
     # at::layer_norm saves its fp32 mean and 1/std ([s, b, 1] each) besides its input;
     # two LayerNorms. The paper counts only the inputs.
     d["L"] = 2 * 2 * 4 * s * b / (t if sp else 1)
-    if sp:
-        # ColumnParallelLinear all-gathers its input and at::linear saves the gathered
-        # [s, b, h] tensor; Megatron saves the [s/t, b, h] shard and all-gathers it again
-        # in backward. Two such layers (QKV, fc1).
-        d["G"] = 2 * E * u * (1 - 1 / t)
     if attention == "math":
         if "selective" not in setting:
             # SDPA's math path multiplies Q and K by sqrt(1/sqrt(d)) into new tensors that

@@ -47,20 +47,23 @@ def test_full_recompute_keeps_exactly_the_layer_input(sp):
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_sequence_parallel_divides_the_sequence_region_by_t(recompute):
-    """bytes(TP) − bytes(TP+SP) = (1 − 1/t)·R, R = 2·E·u (the two LayerNorm inputs) + 2·M·u
+    """bytes(TP) − bytes(TP+SP) = (1 − 1/t)·R, R = 2·E·u (the two LayerNorm inputs) + 2·E·u
+    (the inputs of QKV and fc1: their [s/t, b, h] shards, gathered again in backward) + 2·M·u
     (the two hidden-dropout masks) + 4·E·s·b (the LayerNorms' mean and 1/std): the region
-    outside the tensor-parallel layers shrinks to R/t, and nothing else changes — the TP
-    region, and the inputs of QKV and fc1, which megatorch keeps all-gathered ([s, b, h])."""
+    outside the tensor-parallel layers shrinks to R/t, and nothing else changes."""
     t, group = world()
     s, b, h = SHAPE.s, SHAPE.b, SHAPE.h
     u = s * b * h
     tp = measure("none" if recompute == "none" else "selective", t, group)
     tp_sp = measure("tp+sp" if recompute == "none" else "tp+sp+selective", t, group)
-    region = 2 * E * u + 2 * 4 * u + 4 * E * s * b
+    region = 4 * E * u + 2 * 4 * u + 4 * E * s * b
     assert tp.bytes - tp_sp.bytes == region - region // t
     # The same, storage by storage: what SP splits has s/t rows, what it keeps whole has s.
     split = sum(n for n, shape, _, _ in tp_sp.storages if len(shape) == 3 and shape[0] == s // t)
     assert split == region // t
+    # Among them the inputs of QKV and fc1: the two LayerNorm outputs, [s/t, b, h] each.
+    gemm_inputs = [st for st in tp_sp.storages if st[1] == (s // t, b, h) and st[3] == "NativeLayerNormBackward0"]
+    assert len(gemm_inputs) == 2, tp_sp.storages
 
 
 def test_selective_recompute_drops_the_attention_core():
