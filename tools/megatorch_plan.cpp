@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
   app.add_option("--mask-bytes", a.mask_bytes, "bytes per dropout-mask element (1 on CUDA, 4 on CPU)")
       ->capture_default_str();
   app.add_flag("--megatorch-activations", a.megatorch_activations,
-               "count what megatorch's layer keeps beyond Korthikanti (norm statistics, SP-gathered inputs)");
+               "count what megatorch's layer keeps beyond Korthikanti (norm statistics)");
   app.add_flag("--math-attention", a.math_attention, "attention runs SDPA's math path (CPU with dropout)");
   app.add_option("--top", a.top, "layouts to list")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object");

@@ -57,8 +57,6 @@ double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, boo
   if (o.megatorch_extras) {
     // L: at::layer_norm's fp32 mean and 1/std per token (RMSNorm: 1/rms only), two norms.
     bytes += 2 * (m.rms_norm ? 1 : 2) * 4 * s * b * outside;
-    // G: under SP, QKV and fc1 save their all-gathered input instead of the shard.
-    if (sp) bytes += 2 * E * u * (1 - 1 / t);
   }
   if (o.math_attention && r == Recompute::kNone) bytes += 2 * E * u / t;  // Q: scaled Q and K copies
   return bytes;

@@ -32,9 +32,8 @@ StateBytes zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Pre
 
 // How activations are stored. The defaults are the paper's: 16-bit activations, 1-byte
 // dropout masks, nothing else. megatorch_extras adds what megatorch's layer keeps beyond the
-// paper's count (docs/activation_memory.md): LayerNorm's fp32 mean and 1/std (L) and, under
-// SP, the all-gathered inputs of QKV and fc1 (G). math_attention adds SDPA's math path
-// (CPU with attention dropout): Q and K held twice (Q).
+// paper's count (docs/activation_memory.md): LayerNorm's fp32 mean and 1/std (L).
+// math_attention adds SDPA's math path (CPU with attention dropout): Q and K held twice (Q).
 struct ActivationOptions {
   double activation_bytes = 2;
   double mask_bytes = 1;
