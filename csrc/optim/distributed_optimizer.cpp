@@ -265,6 +265,30 @@ void DistributedOptimizer::finish_grad_sync() {
     state_->buckets[b].launched = false;
     state_->buckets[b].ready = 0;
   }
+  sum_partial_grads();
+}
+
+// ParamInfo::grad_sum_group: one all-reduce per group over the concatenated slices this
+// rank owns (all of each gradient at stage 0). The group's ranks own the same slices, as
+// their layouts are the same, so the sums line up element for element.
+void DistributedOptimizer::sum_partial_grads() {
+  std::map<std::string, std::vector<at::Tensor>> slices;
+  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+    const auto& bs = state_->buckets[b];
+    for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t, int64_t n) {
+      if (!info_[i].grad_sum_group.empty()) slices[info_[i].grad_sum_group].push_back(bs.grad_shard.narrow(0, at, n));
+    });
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [group, views] : slices) {
+    at::Tensor flat = at::cat(views);
+    comm::Group(group).all_reduce(flat);
+    int64_t offset = 0;
+    for (auto& v : views) {
+      v.copy_(flat.narrow(0, offset, v.numel()));
+      offset += v.numel();
+    }
+  }
 }
 
 // In-flight work of an abandoned backward (a step that was not taken) and prefetches no

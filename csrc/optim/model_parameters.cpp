@@ -19,6 +19,8 @@ ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks
           info.counted_in_norm = false;
         }
         info.weight_decay = p.dim() > 1;
+        // Under SP each TP rank's gradient of a replicated parameter covers its sequence shard.
+        if (is_replicated && c.sequence_parallel() && chunk->tp.size > 1) info.grad_sum_group = chunk->options.group();
         out.info.push_back(info);
       }
       out.units.push_back(std::move(unit));

@@ -87,6 +87,8 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
                                                              .hysteresis(args_.hysteresis));
   }
   const auto params = optim::gpt_model_parameters(chunks());
+  const bool tied_across_chunks = !args_.untie_embeddings_and_output_weights &&
+                                  (args_.pipeline_model_parallel_size > 1 || args_.virtual_chunks > 1);
   std::vector<std::string> model_groups{state_->group_name(GroupKind::kTensor)};
   if (args_.pipeline_model_parallel_size > 1) model_groups.push_back(state_->group_name(GroupKind::kPipeline));
   optimizer_ = std::make_unique<optim::DistributedOptimizer>(
@@ -101,10 +103,11 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           .clip_grad(args_.clip_grad)
           .loss_scaler(scaler_)
           .model_parallel_groups(model_groups)
-          // SP partial sums (SP) and the tied embedding's two copies (first and last
-          // stage, summed after the schedule whenever PP > 1) must be summed before the DP
-          // reduction, so with either the reduction waits for the end of backward.
-          .overlap_grad_reduce(args_.pipeline_model_parallel_size == 1 && !args_.sequence_parallel)
+          // SP's partial sums are added by the optimizer after its DP reduction (ParamInfo::
+          // grad_sum_group), so SP overlaps. The tied embedding's two copies (first and
+          // last virtual stage) are summed on .grad after the schedule, before the step:
+          // with them the reduction waits for the end of backward.
+          .overlap_grad_reduce(!tied_across_chunks)
           // The forward's unit hooks (attach_unit_hooks below) wait for each unit's gathers.
           .overlap_param_gather(true),
       params.info);
@@ -194,7 +197,7 @@ IterationStats Trainer::train_step() {
           .schedule(schedule_kind(args_.schedule))
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
           .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
-  stage_->allreduce_sequence_parallel_grads();
+  // (SP's partial sums: the optimizer adds them after its DP reduction.)
   stage_->allreduce_tied_embedding_grads();
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   s.skipped = !optimizer_->step();

@@ -71,6 +71,12 @@ struct DistributedOptimizerOptions {
 struct ParamInfo {
   bool counted_in_norm = true;  // false for copies held elsewhere too (TP-replicated on tp rank > 0, a tied copy)
   bool weight_decay = true;
+  // Non-empty: this rank's gradient is a partial sum over that group (a norm weight or
+  // bias under sequence parallelism, over TP). The optimizer adds the group's parts after
+  // its own DP reduction, on the range it owns (sums commute), so the DP reduction can
+  // overlap backward. Every rank of the group must hold the same parameters in the same
+  // order, and the same DP rank: the TP group of a model replica.
+  std::string grad_sum_group;
 };
 
 class DistributedOptimizer {
@@ -169,6 +175,7 @@ class DistributedOptimizer {
   void on_grad_ready(int64_t param);
   void start_bucket(int64_t bucket);
   void finish_grad_sync();
+  void sum_partial_grads();
   void drain_in_flight();
   void launch_param_gathers();
   bool found_overflow();
