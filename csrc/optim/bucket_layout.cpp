@@ -16,7 +16,7 @@ int64_t BucketLayout::buffer_numel(at::ScalarType dtype) const {
 int64_t default_bucket_size(int64_t dp) { return std::max<int64_t>(40'000'000, 1'000'000 * dp); }
 
 BucketLayout build_bucket_layout(const std::vector<std::vector<at::Tensor>>& units, int64_t bucket_size, int64_t dp,
-                                 bool bucket_per_unit) {
+                                 bool bucket_per_unit, const std::vector<bool>& alone) {
   MEGATORCH_CHECK(dp >= 1 && bucket_size >= 1, "bucket layout: expected dp >= 1 and bucket_size >= 1, got dp=", dp,
                   " and bucket_size=", bucket_size);
   BucketLayout layout;
@@ -57,7 +57,13 @@ BucketLayout build_bucket_layout(const std::vector<std::vector<at::Tensor>>& uni
       open.clear();
     }
     current_unit = u;
+    const bool own = global < static_cast<int64_t>(alone.size()) && alone[global];
     auto it = std::find_if(open.begin(), open.end(), [&](const auto& e) { return e.first == p.scalar_type(); });
+    if (own && it != open.end()) {  // close the dtype's open bucket: this one starts fresh
+      close(it->second);
+      open.erase(it);
+      it = open.end();
+    }
     if (it == open.end()) {
       layout.buckets.push_back(BucketPlace{u, p.scalar_type()});
       open.emplace_back(p.scalar_type(), static_cast<int64_t>(layout.buckets.size()) - 1);
@@ -67,7 +73,7 @@ BucketLayout build_bucket_layout(const std::vector<std::vector<at::Tensor>>& uni
     layout.params[global] = ParamPlace{it->second, bucket.used, p.numel()};
     bucket.params.push_back(global);
     bucket.used += p.numel();
-    if (!bucket_per_unit && bucket.used >= bucket_size) {
+    if (own || (!bucket_per_unit && bucket.used >= bucket_size)) {
       close(it->second);
       open.erase(it);
     }

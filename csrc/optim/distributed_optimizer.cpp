@@ -74,7 +74,15 @@ DistributedOptimizer::DistributedOptimizer(std::vector<std::vector<at::Tensor>> 
   const int64_t dp = dp_.size();
   check_same_parameters_across_ranks();
   const int64_t bucket = options_.bucket_size() > 0 ? options_.bucket_size() : default_bucket_size(dp);
-  layout_ = build_bucket_layout(units_, bucket, dp, stage == 3);
+  std::vector<bool> alone(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    alone[i] = info_[i].own_bucket;
+    MEGATORCH_CHECK(info_[i].grad_sum_ranks.empty() || (info_[i].own_bucket && info_[i].grad_sum_ranks.size() == 2 &&
+                                                       !info_[i].grad_sum_group.empty()),
+                    "DistributedOptimizer: parameter ", i, " has grad_sum_ranks; expected exactly two ranks of a "
+                    "grad_sum_group and own_bucket set (so both copies are sharded alike)");
+  }
+  layout_ = build_bucket_layout(units_, bucket, dp, stage == 3, alone);
   build_buffers();
   register_hooks();
 }
@@ -271,18 +279,33 @@ void DistributedOptimizer::finish_grad_sync() {
 // ParamInfo::grad_sum_group: one all-reduce per group over the concatenated slices this
 // rank owns (all of each gradient at stage 0). The group's ranks own the same slices, as
 // their layouts are the same, so the sums line up element for element.
+// With grad_sum_ranks the two copies' owners exchange their slices (one coalesced batch)
+// and add: a + b on one rank, b + a on the other, the same bits.
 void DistributedOptimizer::sum_partial_grads() {
-  std::map<std::string, std::vector<at::Tensor>> slices;
+  std::map<std::pair<std::string, std::vector<int64_t>>, std::vector<at::Tensor>> slices;
   for (size_t b = 0; b < state_->buckets.size(); ++b) {
     const auto& bs = state_->buckets[b];
     for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t, int64_t n) {
-      if (!info_[i].grad_sum_group.empty()) slices[info_[i].grad_sum_group].push_back(bs.grad_shard.narrow(0, at, n));
+      const auto& info = info_[i];
+      if (!info.grad_sum_group.empty()) slices[{info.grad_sum_group, info.grad_sum_ranks}].push_back(bs.grad_shard.narrow(0, at, n));
     });
   }
   at::NoGradGuard no_grad;
-  for (auto& [group, views] : slices) {
+  for (auto& [key, views] : slices) {
+    const auto& [group_name, ranks] = key;
+    comm::Group group(group_name);
     at::Tensor flat = at::cat(views);
-    comm::Group(group).all_reduce(flat);
+    if (ranks.empty()) {
+      group.all_reduce(flat);
+    } else {
+      const int64_t peer = ranks[0] == group.rank() ? ranks[1] : ranks[0];
+      MEGATORCH_CHECK(ranks[0] != ranks[1] && (ranks[0] == group.rank() || ranks[1] == group.rank()),
+                      "DistributedOptimizer: grad_sum_ranks {", ranks[0], ", ", ranks[1], "} of group '", group_name,
+                      "' must be two ranks, this rank (", group.rank(), ") one of them");
+      at::Tensor other = at::empty_like(flat);
+      group.batch_p2p({{comm::P2POp::Kind::kSend, flat, peer, 0}, {comm::P2POp::Kind::kRecv, other, peer, 0}}).wait();
+      flat.add_(other);
+    }
     int64_t offset = 0;
     for (auto& v : views) {
       v.copy_(flat.narrow(0, offset, v.numel()));

@@ -86,9 +86,11 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
                                                              .growth_interval(args_.loss_scale_window)
                                                              .hysteresis(args_.hysteresis));
   }
-  const auto params = optim::gpt_model_parameters(chunks());
-  const bool tied_across_chunks = !args_.untie_embeddings_and_output_weights &&
-                                  (args_.pipeline_model_parallel_size > 1 || args_.virtual_chunks > 1);
+  const auto params = optim::pipeline_stage_parameters(stage_);
+  // The tied embedding's two copies on one rank (interleaved with one pipeline rank) are
+  // summed on .grad after the schedule, so there the reduction must wait for them.
+  const bool tied_on_grad = !args_.untie_embeddings_and_output_weights && !optim::optimizer_sums_tied_embedding(stage_) &&
+                            args_.virtual_chunks > 1;
   std::vector<std::string> model_groups{state_->group_name(GroupKind::kTensor)};
   if (args_.pipeline_model_parallel_size > 1) model_groups.push_back(state_->group_name(GroupKind::kPipeline));
   optimizer_ = std::make_unique<optim::DistributedOptimizer>(
@@ -103,11 +105,10 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           .clip_grad(args_.clip_grad)
           .loss_scaler(scaler_)
           .model_parallel_groups(model_groups)
-          // SP's partial sums are added by the optimizer after its DP reduction (ParamInfo::
-          // grad_sum_group), so SP overlaps. The tied embedding's two copies (first and
-          // last virtual stage) are summed on .grad after the schedule, before the step:
-          // with them the reduction waits for the end of backward.
-          .overlap_grad_reduce(!tied_across_chunks)
+          // SP's partial sums and the tied embedding's copies on the first and last stage
+          // are added by the optimizer after its DP reduction (ParamInfo::grad_sum_group),
+          // so the reduction overlaps backward.
+          .overlap_grad_reduce(!tied_on_grad)
           // The forward's unit hooks (attach_unit_hooks below) wait for each unit's gathers.
           .overlap_param_gather(true),
       params.info);
@@ -197,8 +198,8 @@ IterationStats Trainer::train_step() {
           .schedule(schedule_kind(args_.schedule))
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
           .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
-  // (SP's partial sums: the optimizer adds them after its DP reduction.)
-  stage_->allreduce_tied_embedding_grads();
+  // (SP's partial sums and a tied embedding across stages: the optimizer adds them.)
+  if (!optim::optimizer_sums_tied_embedding(stage_)) stage_->allreduce_tied_embedding_grads();
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   s.skipped = !optimizer_->step();
   // A skipped step computed no norm worth reporting (Megatron logs none).

@@ -97,3 +97,28 @@ TEST_CASE("comm stats are per group name and resettable", "[single]") {
   CHECK(megatorch::comm::comm_stats("stats_b").total().calls == 1);
   CHECK(megatorch::comm::comm_stats("never_used").total().calls == 0);
 }
+
+TEST_CASE("bucket layout: a parameter marked alone gets a bucket of its own, padded to the DP size", "[single][optim]") {
+  using megatorch::optim::build_bucket_layout;
+  // Two units in backward order: unit 1's parameters (c, then b), then unit 0's (a).
+  const auto a = torch::zeros({10}), b = torch::zeros({7}), c = torch::zeros({5});
+  const std::vector<std::vector<at::Tensor>> units{{a}, {b, c}};
+  const auto plain = build_bucket_layout(units, /*bucket_size=*/1000, /*dp=*/4, false);
+  CHECK(plain.buckets.size() == 1);
+  // b (flattened index 1) alone: c's bucket closes before it, a starts a new one after.
+  const auto layout = build_bucket_layout(units, 1000, 4, false, {false, true, false});
+  REQUIRE(layout.buckets.size() == 3);
+  CHECK(layout.buckets[0].params == std::vector<int64_t>{2});
+  CHECK(layout.buckets[1].params == std::vector<int64_t>{1});
+  CHECK(layout.buckets[2].params == std::vector<int64_t>{0});
+  // Its range is [0, 8) of its own bucket whatever else the model holds: copies of b in
+  // two differently built models are sharded alike over the same DP size.
+  CHECK(layout.params[1].offset == 0);
+  CHECK(layout.buckets[1].used == 7);
+  CHECK(layout.buckets[1].numel == 8);
+  const auto other = build_bucket_layout({{b}, {torch::zeros({3})}}, 1000, 4, false, {true, false});
+  CHECK(other.params[0].offset == 0);
+  CHECK(other.buckets[other.params[0].bucket].numel == 8);
+  // ZeRO-3's bucket per unit: the alone parameter still splits its unit.
+  CHECK(build_bucket_layout(units, 1000, 4, true, {false, true, false}).buckets.size() == 3);
+}

@@ -39,9 +39,12 @@ struct BucketLayout {
 int64_t default_bucket_size(int64_t dp);
 
 // `units` lists the parameters unit by unit (a transformer layer, the embedding...).
-// With `bucket_per_unit` (ZeRO-3) every unit is exactly one bucket per dtype; otherwise
-// a bucket closes once it holds at least `bucket_size` elements.
+// With `bucket_per_unit` (ZeRO-3) every unit is one bucket per dtype; otherwise a bucket
+// closes once it holds at least `bucket_size` elements. A parameter marked in `alone`
+// (flattened index) gets a bucket of its own, so that two ranks holding copies of it in
+// different models (the tied embedding on the first and last pipeline stage) shard it
+// alike: the same elements in the same DP rank's range.
 BucketLayout build_bucket_layout(const std::vector<std::vector<at::Tensor>>& units, int64_t bucket_size, int64_t dp,
-                                 bool bucket_per_unit);
+                                 bool bucket_per_unit, const std::vector<bool>& alone = {});
 
 }  // namespace megatorch::optim

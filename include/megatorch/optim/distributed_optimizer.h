@@ -77,6 +77,12 @@ struct ParamInfo {
   // overlap backward. Every rank of the group must hold the same parameters in the same
   // order, and the same DP rank: the TP group of a model replica.
   std::string grad_sum_group;
+  // With grad_sum_group: the two ranks of the group that hold copies of the parameter (the
+  // tied embedding: first and last pipeline stage), which exchange their parts; empty:
+  // every rank of the group (an all-reduce).
+  std::vector<int64_t> grad_sum_ranks;
+  // A bucket of its own, so every copy is sharded alike (required with grad_sum_ranks).
+  bool own_bucket = false;
 };
 
 class DistributedOptimizer {

@@ -6,6 +6,7 @@
 
 #include "megatorch/models/gpt_model.h"
 #include "megatorch/optim/distributed_optimizer.h"
+#include "megatorch/pipeline/pipeline_stage.h"
 
 namespace megatorch::optim {
 
@@ -21,8 +22,18 @@ struct ModelParameters {
 // (biases, norm weights) take no weight decay.
 ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks);
 
-// ZeRO-3: makes every chunk gather its units through `optimizer` (unit numbers as in
-// gpt_model_parameters). A no-op for other stages.
+// A pipeline stage's chunks, as gpt_model_parameters, with the tied embedding's copies on
+// the first and last stage (pipeline size > 1) marked for the optimizer to sum after its
+// DP reduction (an exchange over the PP group, each copy alone in its bucket), so that
+// reduction can overlap backward: replaces PipelineStage::allreduce_tied_embedding_grads.
+ModelParameters pipeline_stage_parameters(const pipeline::PipelineStage& stage);
+
+// Whether pipeline_stage_parameters leaves the tied embedding's sum to the optimizer
+// (false: call PipelineStage::allreduce_tied_embedding_grads before the step).
+bool optimizer_sums_tied_embedding(const pipeline::PipelineStage& stage);
+
+// ZeRO-3 and overlapped ZeRO-1/2 parameter gathers: makes every chunk run the optimizer's
+// unit hooks (unit numbers as in gpt_model_parameters). A no-op when there are none.
 void attach_unit_hooks(const std::vector<models::GPTModel>& chunks, DistributedOptimizer& optimizer);
 
 }  // namespace megatorch::optim

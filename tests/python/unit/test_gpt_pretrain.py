@@ -43,14 +43,16 @@ def losses(path):
 
 
 def test_same_losses_at_every_layout(tmp_path):
-    """TP2 x PP2, DP4 with ZeRO-3, PP2 interleaved x DP2 with ZeRO-3, TP2 + SP x DP2 with
-    ZeRO-2 and one rank: the same 20 losses (fp32, 1e-5)."""
+    """TP2 x PP2, DP4 with ZeRO-3, PP2 interleaved x DP2 with ZeRO-3, PP4, TP2 + SP x DP2
+    with ZeRO-2 and one rank: the same 20 losses (fp32, 1e-5)."""
     runs = {
         "tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         "dp4zero3": (4, ["--zero-stage", "3"]),
         # ZeRO-3 units gathered by the hooks of two model chunks per stage, interleaved.
         "pp2v2dp2zero3": (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                                "--zero-stage", "3"]),
+        # The tied embedding's copies on stages 0 and 3 summed by the optimizer over PP.
+        "pp4zero1": (4, ["--pipeline-model-parallel-size", "4", "--zero-stage", "1"]),
         # SP's partial sums added by the optimizer after its overlapped DP reduction (ZeRO-2).
         "tp2spdp2zero2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]),
         "single": (1, []),
@@ -64,7 +66,7 @@ def test_same_losses_at_every_layout(tmp_path):
         assert sorted(got[name]) == list(range(1, 21))
     ref = got["single"]
     assert ref[20] < ref[1]  # it learns
-    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3", "tp2spdp2zero2"):
+    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3", "pp4zero1", "tp2spdp2zero2"):
         for it, loss in ref.items():
             assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
 
