@@ -1,10 +1,10 @@
 #include "megatorch/pipeline/nccl_order_model.h"
 
 #include <algorithm>
-#include <deque>
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "wake_queue.h"
 
 namespace megatorch::pipeline {
 namespace {
@@ -75,16 +75,12 @@ class Model {
     std::vector<int64_t> cur(p_, 0);
     // now[r]: when rank r's current step started (its previous one completed); busy[r]: compute time.
     std::vector<int64_t> now(p_, 0), busy(p_, 0);
-    std::deque<int64_t> ready;
-    std::vector<char> queued(p_, 1);
-    for (int64_t r = 0; r < p_; ++r) ready.push_back(r);
     // A rank advances until its current batch waits for a peer; completing an op wakes
     // the peer, whose batch may now be complete. Each op is looked at once plus once per
     // wake-up of its rank.
-    while (!ready.empty()) {
-      const int64_t r = ready.front();
-      ready.pop_front();
-      queued[r] = 0;
+    WakeQueue queue(p_);
+    while (!queue.empty()) {
+      const int64_t r = queue.pop();
       while (cur[r] < static_cast<int64_t>(steps_[r].size())) {
         const P2PStep& step = steps_[r][cur[r]];
         if (!step.is_batch()) {
@@ -107,10 +103,7 @@ class Model {
           check_match(r, op);
           op.done = other->done = true;
           op.time = other->time = std::max(now[r], now[peer]) + costs_.p2p_cost;
-          if (!queued[peer]) {
-            queued[peer] = 1;
-            ready.push_back(peer);
-          }
+          queue.wake(peer);
         }
         if (!complete) break;
         for (int64_t j = first_op_[r][cur[r]]; j < first_op_[r][cur[r] + 1]; ++j)

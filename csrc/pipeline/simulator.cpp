@@ -1,11 +1,11 @@
 #include "megatorch/pipeline/simulator.h"
 
 #include <algorithm>
-#include <deque>
 #include <numeric>
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "wake_queue.h"
 
 namespace megatorch::pipeline {
 
@@ -47,22 +47,14 @@ class Simulation {
   }
 
   SimulationResult run() {
-    // Each rank runs until it blocks; a send wakes its receiver. Every action is tried
-    // once plus once per wake-up, so the cost is linear in the number of actions.
-    std::deque<int64_t> ready;
-    std::vector<char> queued(p_, 1);
-    for (int64_t r = 0; r < p_; ++r) ready.push_back(r);
-    while (!ready.empty()) {
-      const int64_t r = ready.front();
-      ready.pop_front();
-      queued[r] = 0;
+    // Each rank runs until it blocks; a send wakes its receiver.
+    WakeQueue queue(p_);
+    while (!queue.empty()) {
+      const int64_t r = queue.pop();
       while (pc_[r] < static_cast<int64_t>(lists_[r].size())) {
         const int64_t woken = step(r);
         if (woken == kBlocked) break;
-        if (woken >= 0 && !queued[woken]) {
-          queued[woken] = 1;
-          ready.push_back(woken);
-        }
+        if (woken >= 0) queue.wake(woken);
       }
     }
     report_deadlock();

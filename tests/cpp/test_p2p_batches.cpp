@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "schedule_test_util.h"
+
 namespace mp = megatorch::pipeline;
 using mp::Action;
 using mp::ActionKind;
@@ -20,12 +22,7 @@ using mp::ScheduleKind;
 
 namespace {
 
-Action F(int64_t mb, int64_t c = 0) { return {ActionKind::kForward, mb, c, -1}; }
-Action B(int64_t mb, int64_t c = 0) { return {ActionKind::kBackward, mb, c, -1}; }
-Action SA(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kSendActivation, mb, c, peer}; }
-Action RA(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kRecvActivation, mb, c, peer}; }
-Action SG(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kSendGrad, mb, c, peer}; }
-Action RG(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kRecvGrad, mb, c, peer}; }
+using namespace schedule_test;
 
 P2PStep C(const Action& a) {
   P2PStep s;

@@ -5,6 +5,8 @@
 
 #include <random>
 
+#include "schedule_test_util.h"
+
 namespace mp = megatorch::pipeline;
 using mp::Action;
 using mp::ActionKind;
@@ -13,14 +15,7 @@ using mp::ScheduleKind;
 
 namespace {
 
-Action F(int64_t mb, int64_t c = 0) { return {ActionKind::kForward, mb, c, -1}; }
-Action B(int64_t mb, int64_t c = 0) { return {ActionKind::kBackward, mb, c, -1}; }
-Action BI(int64_t mb, int64_t c = 0) { return {ActionKind::kBackwardInput, mb, c, -1}; }
-Action BW(int64_t mb, int64_t c = 0) { return {ActionKind::kBackwardWeight, mb, c, -1}; }
-Action SA(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kSendActivation, mb, c, peer}; }
-Action RA(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kRecvActivation, mb, c, peer}; }
-Action SG(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kSendGrad, mb, c, peer}; }
-Action RG(int64_t mb, int64_t c, int64_t peer) { return {ActionKind::kRecvGrad, mb, c, peer}; }
+using namespace schedule_test;
 
 // The compute of a list as "F0.1 B3.0 ..." (micro-batch.chunk), to compare with orders
 // written down by hand.
