@@ -6,12 +6,15 @@
 #   MEGATORCH_PYTHON=python3 scripts/gpu_check.sh [OUT_DIR]
 #
 # Writes gpu_check.json (machine, torch, each step's status and seconds), gpu_tests.json
-# (pytest counts and the skip reasons), kernels.json (scripts/bench/gpu_kernels.py),
-# gpt.json + gpt.md (scripts/bench/gpu_gpt.py: GPT training steps, megatorch against eager
-# PyTorch, torch.compile and Megatron-Core) and gpu_check.log. Meant to finish in under 8
-# minutes (MEGATORCH_GPU_CHECK_LIMIT_S, default 480): the kernel benchmark gets what is left
-# less MEGATORCH_GPT_BENCH_S (default 240) as its torch.compile budget, the GPT benchmark
-# what is left after that (at least 150 s, so its headline rows run).
+# (pytest counts and the skip reasons), pretrain.json + pretrain.md (scripts/bench/
+# gpu_pretrain.py: gpt_pretrain on one GPU against the CPU, TP2 x PP2 as 4 processes sharing
+# the GPU through Gloo against the CPU, and GPT 1.3B bf16 tokens/s, TFLOP/s and MFU from
+# the trainer's own log, next to the eager and torch.compile rows of gpt.json), gpt.json +
+# gpt.md (scripts/bench/gpu_gpt.py at 1.3B: megatorch's model from Python against eager
+# PyTorch, torch.compile and Megatron-Core), kernels.json (scripts/bench/gpu_kernels.py)
+# and gpu_check.log. Meant to finish in under 8 minutes (MEGATORCH_GPU_CHECK_LIMIT_S,
+# default 480): the pretrain step gets MEGATORCH_PRETRAIN_S (default 170), the GPT
+# benchmark what is left less 60 s (at least 120 s), the kernel benchmark the rest.
 #
 # Steps run in order, each a function `step_<name>` listed in STEPS; a step that fails is
 # recorded and the next one still runs; the exit status is non-zero if any failed. Another
@@ -25,7 +28,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 START=$(date +%s)
 LIMIT_S=${MEGATORCH_GPU_CHECK_LIMIT_S:-480}
-GPT_BENCH_S=${MEGATORCH_GPT_BENCH_S:-240}  # kept back for step_gpt_bench
+PRETRAIN_S=${MEGATORCH_PRETRAIN_S:-170}
 export MEGATORCH_BUILD_DIR="${MEGATORCH_BUILD_DIR:-$MT_ROOT/build-gpu}"
 export MEGATORCH_JOBS="${MEGATORCH_JOBS:-$(nproc)}"
 RESULTS="${1:-${OUT:-$MEGATORCH_BUILD_DIR/results}}"
@@ -37,7 +40,7 @@ LOG="$RESULTS/gpu_check.log"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$MT_ROOT/torch_ext${PYTHONPATH:+:$PYTHONPATH}"
 export MEGATORCH_LIBRARY="$MEGATORCH_BUILD_DIR/lib/libmegatorch.so" MEGATORCH_BIN_DIR="$MEGATORCH_BUILD_DIR/bin"
 
-STEPS=(env build gpu_tests kernel_bench gpt_bench)
+STEPS=(env build gpu_tests pretrain gpt_bench report kernel_bench)
 GPU=false
 elapsed() { echo $(( $(date +%s) - START )); }
 
@@ -81,7 +84,7 @@ step_build() {
   # GPU tests and benchmarks load (no Catch2 or examples needed).
   local configure=()
   [[ -f "$MEGATORCH_BUILD_DIR/build.ninja" ]] || configure=(-DMEGATORCH_BUILD_TESTS=OFF -DMEGATORCH_BUILD_EXAMPLES=OFF)
-  MEGATORCH_TARGETS="megatorch megatorch_cpp" "$MT_ROOT/scripts/build.sh" "${configure[@]}"
+  MEGATORCH_TARGETS="megatorch megatorch_cpp gpt_pretrain" "$MT_ROOT/scripts/build.sh" "${configure[@]}"
 }
 
 step_gpu_tests() {
@@ -108,20 +111,34 @@ EOF
   return $status
 }
 
-step_kernel_bench() {
-  # torch.compile budget: what is left, less a margin and the GPT benchmark's share
-  local left=$(( LIMIT_S - $(elapsed) - 60 - GPT_BENCH_S ))
-  (( left < 0 )) && left=0
-  "$PY" "$MT_ROOT/scripts/bench/gpu_kernels.py" --out "$RESULTS/kernels.json" --budget-s "$left"
+step_pretrain() {
+  # gpt_pretrain itself: GPU vs CPU losses (fp32), 4 ranks sharing the GPU (TP2 x PP2) vs
+  # CPU, GPT 1.3B bf16 throughput from the trainer's log. Without a GPU: CPU vs CPU only.
+  "$PY" "$MT_ROOT/scripts/bench/gpu_pretrain.py" --bin "$MEGATORCH_BUILD_DIR/bin" \
+    --out "$RESULTS/pretrain.json" --budget-s "$PRETRAIN_S"
 }
 
 step_gpt_bench() {
-  # GPT training steps at ~1.3B and ~350M, sequence 2048, bf16: megatorch, eager PyTorch,
-  # torch.compile, Megatron-Core (local layers); tokens/s, TFLOP/s, MFU, peak memory.
-  # Without a GPU: its CPU fallback at toy sizes (says so; the numbers are not GPU numbers).
-  local left=$(( LIMIT_S - $(elapsed) - 10 ))
-  (( left < 150 )) && left=150
-  "$PY" "$MT_ROOT/scripts/bench/gpu_gpt.py" --out "$RESULTS/gpt.json" --budget-s "$left"
+  # The same 1.3B GPT at sequence 2048, bf16, in eager PyTorch, torch.compile, Megatron-Core
+  # (local layers) and megatorch's model driven from Python; tokens/s, TFLOP/s, MFU, peak
+  # memory. Without a GPU: its CPU fallback at toy sizes (says so; not GPU numbers).
+  local left=$(( LIMIT_S - $(elapsed) - 60 ))
+  (( left < 120 )) && left=120
+  local sizes=(--sizes 1.3B)
+  [[ $GPU == true ]] || sizes=()
+  "$PY" "$MT_ROOT/scripts/bench/gpu_gpt.py" --out "$RESULTS/gpt.json" --budget-s "$left" "${sizes[@]}"
+}
+
+step_report() {
+  # pretrain.md with the eager and torch.compile rows of the same run beside gpt_pretrain's.
+  "$PY" "$MT_ROOT/scripts/bench/gpu_pretrain.py" --render --out "$RESULTS/pretrain.json" --gpt-json "$RESULTS/gpt.json"
+}
+
+step_kernel_bench() {
+  # torch.compile budget: what is left, less a margin
+  local left=$(( LIMIT_S - $(elapsed) - 20 ))
+  (( left < 0 )) && left=0
+  "$PY" "$MT_ROOT/scripts/bench/gpu_kernels.py" --out "$RESULTS/kernels.json" --budget-s "$left"
 }
 
 # ---- run them

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""gpt_pretrain on a GPU, checked and measured from the trainer's own JSON log
+(scripts/gpu_check.sh step `pretrain`):
+
+1. parity: one GPU, fp32, a tiny GPT: the first 10 losses equal a CPU run of the same
+   configuration within 1e-4 (relative).
+2. shared_gpu: TP2 x PP2 as 4 processes on the one GPU (NCCL refuses two ranks on one
+   device, so --device cuda:0 --distributed-backend gloo: Gloo with CUDA tensors), its
+   losses equal the same layout's CPU run within 1e-4.
+3. gpt_1p3b: one GPU, bf16, GPT ~1.3B (h 2048, 24 layers, 16 heads, seq 2048, vocabulary
+   50304), the micro-batch halved from --micro-batch until it fits: steady-state
+   tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure.
+
+    python3 scripts/bench/gpu_pretrain.py --bin build-gpu/bin --out OUT/pretrain.json \\
+        [--gpt-json OUT/gpt.json] [--budget-s 200]
+
+With --gpt-json (scripts/bench/gpu_gpt.py's output of the same run) the markdown table
+puts the PyTorch eager and torch.compile rows of the same model next to gpt_pretrain's.
+Without a GPU it says so: the parity check runs CPU against CPU (it exercises the harness,
+not a GPU), the other two are skipped with that reason. Exit status 1 if a check failed.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data" / "default" / "stdlib_docs_text_document"
+DATASHEET_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--vocab-size", "257", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
+        "--lr-warmup-iters", "2", "--train-iters", "10", "--eval-iters", "0", "--seed", "11"]
+GPT_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--vocab-size", "50304", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
+            "--clip-grad", "1.0", "--seed", "1234"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pretrain(binary, nproc, args, timeout):
+    """Runs gpt_pretrain under torchrun; returns (iteration -> record, returncode, output tail)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "log.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", "--no-python", str(binary), *args, "--data-path", str(DATA),
+               "--log-json", str(log)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+            code, text = out.returncode, out.stdout + out.stderr
+        except subprocess.TimeoutExpired as e:
+            code, text = -1, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        records = {}
+        if log.exists():
+            for line in log.read_text().splitlines():
+                r = json.loads(line)
+                if "loss" in r:
+                    records[r["iteration"]] = r
+        return records, code, text[-4000:]
+
+
+def compare(device_run, cpu_run, rtol):
+    """Per-iteration relative differences of two loss curves, and whether all are within rtol."""
+    rows = []
+    for it in sorted(cpu_run):
+        a, b = device_run.get(it, {}).get("loss"), cpu_run[it]["loss"]
+        rel = abs(a - b) / abs(b) if a is not None else None
+        rows.append({"iteration": it, "device_loss": a, "cpu_loss": b, "rel_diff": rel})
+    ok = bool(rows) and all(r["rel_diff"] is not None and r["rel_diff"] <= rtol for r in rows)
+    return rows, ok
+
+
+def check_parity(binary, gpu, timeout):
+    device = ["--device", "cuda"] if gpu else ["--device", "cpu"]
+    dev, code_d, tail_d = run_pretrain(binary, 1, [*TINY, *device], timeout)
+    cpu, code_c, tail_c = run_pretrain(binary, 1, [*TINY, "--device", "cpu"], timeout)
+    rows, ok = compare(dev, cpu, 1e-4)
+    return {"what": "1 GPU vs CPU, fp32, first 10 losses" if gpu else "no GPU: CPU vs CPU (harness check only)",
+            "ok": ok and code_d == 0 and code_c == 0, "rtol": 1e-4, "losses": rows,
+            "max_rel_diff": max((r["rel_diff"] or 0) for r in rows) if rows else None,
+            "log_tail": "" if code_d == code_c == 0 else tail_d + tail_c}
+
+
+def check_shared_gpu(binary, timeout):
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    dev, code_d, tail_d = run_pretrain(binary, 4, [*TINY, *layout, "--device", "cuda:0",
+                                                   "--distributed-backend", "gloo"], timeout)
+    cpu, code_c, tail_c = run_pretrain(binary, 4, [*TINY, *layout, "--device", "cpu"], timeout)
+    rows, ok = compare(dev, cpu, 1e-4)
+    return {"what": "TP2 x PP2, 4 processes on one GPU (Gloo, CUDA tensors) vs the same layout on CPU",
+            "ok": ok and code_d == 0 and code_c == 0, "rtol": 1e-4, "losses": rows,
+            "max_rel_diff": max((r["rel_diff"] or 0) for r in rows) if rows else None,
+            "log_tail": "" if code_d == code_c == 0 else tail_d + tail_c}
+
+
+def measure_1p3b(binary, micro_batch, iters, deadline):
+    """bf16 1.3B on one GPU: halves the micro-batch on out-of-memory; steady state = the
+    iterations after the first three (allocator warm-up, first-touch)."""
+    mbs, tried = micro_batch, []
+    while mbs >= 1:
+        left = deadline - time.monotonic()
+        if left < 60:
+            return {"ok": False, "tried": tried, "error": "out of time budget before a run fitted"}
+        args = [*GPT_1P3B, "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs),
+                "--train-iters", str(iters), "--device", "cuda"]
+        recs, code, tail = run_pretrain(binary, 1, args, timeout=int(left))
+        tried.append({"micro_batch": mbs, "exit": code})
+        if code == 0 and len(recs) == iters:
+            steady = [recs[i] for i in sorted(recs) if i > 3]
+            mean = lambda k: sum(r[k] for r in steady) / len(steady)  # noqa: E731
+            tflops = mean("tflops_per_rank")
+            mem = recs[max(recs)].get("memory_bytes", {})
+            return {"ok": True, "micro_batch": mbs, "iterations": iters, "tokens_per_s": mean("tokens_per_s"),
+                    "tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
+                    "ms_per_iteration": mean("ms_per_iteration"), "loss_first": recs[1]["loss"],
+                    "loss_last": recs[max(recs)]["loss"],
+                    "max_allocated_gib": mem.get("cuda_max_allocated_bytes", 0) / 2 ** 30, "tried": tried}
+        if "out of memory" not in tail.lower():
+            return {"ok": False, "tried": tried, "error": tail}
+        mbs //= 2
+    return {"ok": False, "tried": tried, "error": "out of memory at micro-batch 1"}
+
+
+def markdown(result, gpt_rows):
+    lines = ["| check | result | detail |", "|---|---|---|"]
+    for key in ("parity", "shared_gpu"):
+        c = result[key]
+        if c.get("skipped"):
+            lines.append(f"| {key} | skipped | {c['skipped']} |")
+        else:
+            d = c["max_rel_diff"]
+            lines.append(f"| {key} | {'pass' if c['ok'] else 'FAIL'} | {c['what']}; max relative loss difference "
+                         f"{d:.2e} (tolerance {c['rtol']}) |" if d is not None else f"| {key} | FAIL | no losses |")
+    lines += ["", "| GPT 1.3B, bf16, one GPU | micro-batch | tokens/s | TFLOP/s | MFU (989 TFLOP/s) |",
+              "|---|---|---|---|---|"]
+    g = result["gpt_1p3b"]
+    if g.get("skipped"):
+        lines.append(f"| gpt_pretrain | skipped: {g['skipped']} | | | |")
+    elif g["ok"]:
+        lines.append(f"| gpt_pretrain (trainer's log) | {g['micro_batch']} | {g['tokens_per_s']:.0f} | "
+                     f"{g['tflops']:.1f} | {100 * g['mfu_datasheet']:.1f}% |")
+    else:
+        lines.append(f"| gpt_pretrain | failed: {str(g.get('error', ''))[-200:]!r} | | | |")
+    names = {"megatorch": "megatorch model in Python (gpu_gpt.py)", "eager": "PyTorch eager (gpu_gpt.py)",
+             "compile": "torch.compile (gpu_gpt.py)"}
+    for r in gpt_rows:
+        if r.get("size") != "1.3B" or r.get("impl") not in names:
+            continue
+        if r.get("status") == "ok":
+            lines.append(f"| {names[r['impl']]} | {r.get('micro_batch', '')} | {r['tokens_per_s']:.0f} | "
+                         f"{r['tflops']:.1f} | {100 * (r.get('mfu_vs_datasheet') or 0):.1f}% |")
+        else:
+            lines.append(f"| {names[r['impl']]} | {r.get('status', 'not run')}: {str(r.get('error', ''))[:80]} | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=str(ROOT / "build" / "bin"), help="folder holding gpt_pretrain")
+    ap.add_argument("--out", required=True, help="JSON path; the markdown table goes next to it (.md)")
+    ap.add_argument("--gpt-json", help="scripts/bench/gpu_gpt.py's JSON of the same run, for its 1.3B rows")
+    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--micro-batch", type=int, default=8, help="first micro-batch tried for the 1.3B run")
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the markdown from an existing --out JSON (and --gpt-json)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    gpt_rows = []
+    if a.gpt_json and Path(a.gpt_json).exists():
+        gpt_rows = json.loads(Path(a.gpt_json).read_text()).get("rows", [])
+    if a.render:
+        table = markdown(json.loads(out.read_text()), gpt_rows)
+        out.with_suffix(".md").write_text(table)
+        print(table)
+        return 0
+    deadline = time.monotonic() + a.budget_s
+    binary = Path(a.bin) / "gpt_pretrain"
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        print("no GPU: torch sees no CUDA device; the parity check runs CPU against CPU (a harness check, not a GPU "
+              "result) and the shared-GPU and 1.3B checks are skipped", flush=True)
+    result = {"gpu": gpu, "datasheet_tflops": DATASHEET_TFLOPS}
+    result["parity"] = check_parity(binary, gpu, timeout=300)
+    print("parity:", json.dumps({k: v for k, v in result["parity"].items() if k != "losses"}), flush=True)
+    if gpu:
+        result["shared_gpu"] = check_shared_gpu(binary, timeout=300)
+        print("shared_gpu:", json.dumps({k: v for k, v in result["shared_gpu"].items() if k != "losses"}), flush=True)
+        result["gpt_1p3b"] = measure_1p3b(binary, a.micro_batch, a.iters, deadline)
+        print("gpt_1p3b:", json.dumps(result["gpt_1p3b"])[:2000], flush=True)
+    else:
+        result["shared_gpu"] = {"skipped": "no GPU", "ok": True}
+        result["gpt_1p3b"] = {"skipped": "no GPU", "ok": True}
+    result["ok"] = all(result[k]["ok"] for k in ("parity", "shared_gpu", "gpt_1p3b"))
+    out.write_text(json.dumps(result, indent=2))
+    table = markdown(result, gpt_rows)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
