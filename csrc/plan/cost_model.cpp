@@ -94,6 +94,8 @@ LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   lc.selective = f.attention / t / (peak * eff) + k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
   const double act = static_cast<double>(l.micro_batch) * m.seq_length * m.hidden_size * paper.activation_bytes;
   const double bw = l.tp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
+  // Under SP the column layers' backward also re-gathers their input shards (one
+  // all-gather each), but under the input-gradient GEMM: overlapped, so not charged.
   lc.tp_fwd = 2 * ring_allreduce_s(act, l.tp, bw);
   return lc;
 }

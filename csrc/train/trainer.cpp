@@ -453,7 +453,8 @@ bool Trainer::load_checkpoint() {
       tp::set_default_generator_state(state_->device(), state_tensor(rank_state.at("cuda_rng")));
     }
     const auto& tracker = stage_->chunk(0)->options.rng();
-    const bool same_kind = tracker && (tracker->device().is_cpu() || rank_state.contains("cuda_rng"));
+    // The tracker's streams are generator states of the saving run's device kind.
+    const bool same_kind = tracker && tracker->device().is_cuda() == rank_state.contains("cuda_rng");
     if (same_kind && rank_state.contains("rng_streams")) {
       tp::RngTracker::Snapshot snap{tp::default_generator_state(tracker->device()), {}};
       for (const auto& [name, bytes] : rank_state.at("rng_streams").items()) snap.states[name] = state_tensor(bytes);
