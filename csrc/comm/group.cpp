@@ -269,6 +269,8 @@ Work Group::recv_async(at::Tensor& tensor, int64_t src, int64_t tag) {
 
 at::Tensor Group::recv(at::Tensor& tensor, int64_t src, int64_t tag) { return recv_async(tensor, src, tag).wait(); }
 
+bool Group::coalesces(c10::DeviceType device) const { return pg_->getBackend(device)->supportsCoalescing(); }
+
 Work Group::batch_p2p(const std::vector<P2POp>& ops) {
   if (ops.empty()) return Work();
   const c10::DeviceType device = ops.front().tensor.defined() ? ops.front().tensor.device().type() : c10::kCPU;
@@ -289,7 +291,7 @@ Work Group::batch_p2p(const std::vector<P2POp>& ops) {
   }
   detail << ")";
   const auto backend = pg_->getBackend(device);
-  const bool coalesce = backend->supportsCoalescing();
+  const bool coalesce = coalesces(device);
   const std::string backend_name = backend->getBackendName();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> keep_alive;

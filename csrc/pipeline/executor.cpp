@@ -123,7 +123,6 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
     if (step.is_batch()) {
       std::vector<comm::P2POp> ops;
       ops.reserve(step.batch.size());
-      std::vector<std::pair<const Action*, at::Tensor>> recvs;
       for (const Action& a : step.batch) {
         const Key key{a.microbatch, a.chunk};
         comm::P2POp op;
@@ -134,7 +133,6 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
           case ActionKind::kRecvGrad:
             op.kind = comm::P2POp::Kind::kRecv;
             op.tensor = at::empty(act_shape, act_opts);
-            recvs.emplace_back(&a, op.tensor);
             break;
           case ActionKind::kSendActivation:
             op.tensor = stash.at(key).output.detach();
@@ -151,16 +149,26 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
         }
         ops.push_back(std::move(op));
       }
-      Batch batch = std::make_shared<comm::Work>(pp->batch_p2p(ops));
-      batches.push_back(batch);
-      for (auto& [a, buf] : recvs) {
-        const Key key{a->microbatch, a->chunk};
-        const bool act = a->kind == ActionKind::kRecvActivation;
-        (act ? recv_act : recv_grad).emplace(key, batch);
-        (act ? recv_act_buf : recv_grad_buf).emplace(key, buf);
+      // One Work per op where the backend does not coalesce (Gloo): a compute then waits
+      // for its own receive only, not for the batch's sends to be taken up too.
+      std::vector<Batch> works;
+      if (pp->coalesces(act_opts.device().type())) {
+        works.assign(ops.size(), std::make_shared<comm::Work>(pp->batch_p2p(ops)));
+      } else {
+        for (const auto& op : ops) works.push_back(std::make_shared<comm::Work>(pp->batch_p2p({op})));
       }
-      for (const Action& a : step.batch)
-        if (a.kind == ActionKind::kSendActivation) pending_sends.emplace_back(batch, Key{a.microbatch, a.chunk});
+      batches.insert(batches.end(), works.begin(), works.end());
+      for (size_t i = 0; i < step.batch.size(); ++i) {
+        const Action& a = step.batch[i];
+        const Key key{a.microbatch, a.chunk};
+        if (is_recv(a.kind)) {
+          const bool act = a.kind == ActionKind::kRecvActivation;
+          (act ? recv_act : recv_grad).emplace(key, works[i]);
+          (act ? recv_act_buf : recv_grad_buf).emplace(key, ops[i].tensor);
+        } else if (a.kind == ActionKind::kSendActivation) {
+          pending_sends.emplace_back(works[i], key);
+        }
+      }
       continue;
     }
     const Action& a = step.compute;

@@ -106,6 +106,9 @@ class Group {
   // posted together. Elsewhere (Gloo) each is posted alone, in order, with its tag.
   // Counted like send_async / recv_async: one send or recv per op, its bytes.
   Work batch_p2p(const std::vector<P2POp>& ops);
+  // Whether batch_p2p groups the ops of tensors on `device` into one (NCCL) or posts
+  // them one by one (Gloo).
+  bool coalesces(c10::DeviceType device) const;
   void barrier();
 
   CommStats stats() const { return comm_stats(name_); }
