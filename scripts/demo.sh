@@ -14,6 +14,8 @@ export OMP_NUM_THREADS=1
 # ~3.3M parameters: 4 layers, hidden 256; global batch 16 sequences of 128 bytes, as
 # micro-batches of 2 through a 1F1B pipeline (8 per step).
 flags=(
+  # CPU ranks wherever it runs (MEGATORCH_DEMO_DEVICE=cuda on a machine with 4 GPUs).
+  --device "${MEGATORCH_DEMO_DEVICE:-cpu}"
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --schedule 1f1b
   --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128
   --micro-batch-size 2 --global-batch-size 16 --train-iters "${MEGATORCH_DEMO_ITERS:-150}"
