@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Activation memory of one transformer layer, measured from megatorch's C++ layers,
-next to Korthikanti et al. 2022 (REFERENCE.md, "Sequence parallelism").
+next to Korthikanti et al. 2022 (docs/reference.md, "Sequence parallelism").
 
 What is measured: the bytes a `megatorch.cpp.TransformerLayer` keeps for backward — every
 tensor autograd saves during its forward, seen through
@@ -95,7 +95,7 @@ def measure_layer(config, batch: int, group=None, tp_size: int = 1) -> Measureme
 # ---- Korthikanti et al. 2022, term by term (per rank, per layer)
 
 def korthikanti_bytes(setting: str, shape: Shape, t: int, act_bytes: int = 2, mask_bytes: int = 1) -> float:
-    """The paper's count. At act_bytes=2, mask_bytes=1 it is REFERENCE.md's table:
+    """The paper's count. At act_bytes=2, mask_bytes=1 it is docs/reference.md's table:
     outside the TP region the two LayerNorm inputs and the inputs of QKV and fc1 (4 sbh
     activations) and two hidden dropout masks (2 sbh); inside it (divided by t) Q, K, V and
     the output projection's input (4 sbh), GeLU's input and output (8 sbh), and per head
@@ -115,7 +115,7 @@ def korthikanti_bytes(setting: str, shape: Shape, t: int, act_bytes: int = 2, ma
 
 
 def reference_table_bytes(setting: str, shape: Shape, t: int) -> float:
-    """REFERENCE.md's rows as written (16-bit); korthikanti_bytes must equal them."""
+    """docs/reference.md's rows as written (16-bit); korthikanti_bytes must equal them."""
     s, b, h, a = shape.s, shape.b, shape.h, shape.a
     return {
         "none": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),

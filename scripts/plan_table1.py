@@ -1,4 +1,4 @@
-"""Narayanan et al. 2021 Table 1 (REFERENCE.md) next to megatorch-plan's predictions.
+"""Narayanan et al. 2021 Table 1 (docs/reference.md) next to megatorch-plan's predictions.
 
 For each row it asks build/bin/megatorch-plan for the published layout (TP, PP fixed; the
 micro-batch is searched) and for the free ranking of all (TP, PP), with the runs' settings:

@@ -180,7 +180,7 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   t.pipeline = busy + t.bubble;
   t.peak_inflight_chunks = first.peak_inflight;
   // Gradient reduction after the last backward: reduce-scatter + all-gather (or all-reduce)
-  // of the stage's gradients, 1.5x with ZeRO-3's parameter gathers (REFERENCE.md).
+  // of the stage's gradients, 1.5x with ZeRO-3's parameter gathers (docs/reference.md).
   int64_t params = 0;
   for (int64_t r : {int64_t{0}, l.pp - 1}) params = std::max(params, params_per_rank(m, l.tp, l.pp, r));
   const double grad_bytes = static_cast<double>(params) * precision_bytes(o.precision).grad;

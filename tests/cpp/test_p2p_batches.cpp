@@ -123,7 +123,7 @@ TEST_CASE("1F1B batches are Megatron's send_forward_recv_backward pairs", "[pipe
 TEST_CASE("every schedule's batches pass the NCCL order model", "[pipeline][p2p]") {
   // p <= 16, m in {p, 2p, 4p}, v in {1, 2, 4} for interleaved: no deadlock, no mismatch,
   // every op matched, and under NCCL's rendezvous timing (free transfers, B = F and
-  // B = 2F) the bubble is REFERENCE.md's formula exactly, as the simulator's is.
+  // B = 2F) the bubble is docs/reference.md's formula exactly, as the simulator's is.
   int64_t configs = 0, ops = 0;
   for (int64_t p = 1; p <= 16; ++p) {
     for (int64_t m : {p, 2 * p, 4 * p}) {

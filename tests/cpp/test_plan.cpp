@@ -1,4 +1,4 @@
-// megatorch::plan: the memory model against REFERENCE.md's exact numbers and against the
+// megatorch::plan: the memory model against docs/reference.md's exact numbers and against the
 // parameters GPTModel really builds, the time model against Narayanan et al. 2021 Table 1
 // with one calibration, and the planner's errors.
 #include <catch2/catch.hpp>
@@ -15,7 +15,7 @@ using namespace megatorch;
 using namespace megatorch::plan;
 
 TEST_CASE("ZeRO paper example: 7.5B parameters, 64 DP ranks", "[plan]") {
-  // Mixed-precision Adam, 16 bytes per parameter (REFERENCE.md): 120, 31.4, 16.6, 1.88 GB.
+  // Mixed-precision Adam, 16 bytes per parameter (docs/reference.md): 120, 31.4, 16.6, 1.88 GB.
   const double psi = 7.5e9;
   CHECK(zero_state_bytes(psi, 64, 0, Precision::kMixed).total() == 120e9);
   CHECK(zero_state_bytes(psi, 64, 1, Precision::kMixed).total() == 31.40625e9);   // 4 psi + 12 psi / 64
@@ -96,7 +96,7 @@ struct Table1Row {
   int64_t heads, hidden, layers, tp, pp, gpus, batch;
   double tflops;
 };
-// REFERENCE.md, Narayanan et al. 2021 Table 1.
+// docs/reference.md, Narayanan et al. 2021 Table 1.
 const Table1Row kTable1[] = {
     {1.7, 24, 2304, 24, 1, 1, 32, 512, 137},        {3.6, 32, 3072, 30, 2, 1, 64, 512, 138},
     {7.5, 32, 4096, 36, 4, 1, 128, 512, 142},       {18.4, 48, 6144, 40, 8, 1, 256, 1024, 135},

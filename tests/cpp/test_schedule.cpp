@@ -188,7 +188,7 @@ TEST_CASE("interleaved p=2, v=2, m=4 follows Megatron's order", "[pipeline][sche
   CHECK(mp::simulate_schedule(ScheduleKind::kInterleaved, 1, 3, 3).bubble_fraction == Ratio{0, 1});
 }
 
-TEST_CASE("bubble equals REFERENCE.md's formula exactly", "[pipeline][simulator]") {
+TEST_CASE("bubble equals docs/reference.md's formula exactly", "[pipeline][simulator]") {
   // Integer ticks, so idle / busy is compared as a reduced fraction, per rank and overall.
   // With free transfers the makespan is (v*m + p - 1)(F + B) for all three schedules:
   // every stage computes v*m (F + B) and idles (p - 1)(F + B), for unit costs and for
@@ -228,7 +228,7 @@ TEST_CASE("activations in flight: GPipe m, 1F1B p-r, interleaved (v+1)p-1 on sta
         INFO("interleaved p " << p << " m " << m << " v " << v);
         // Counted in chunk activations (1/v of a stage each). With m > p, stage r holds
         // 2(p-r-1) + (v-1)p + 1; on stage 0 that is (v+1)p - 1 chunks = p(1 + (p-1)/(pv))
-        // stages' worth: REFERENCE.md's interleaved memory factor over 1F1B's p. With
+        // stages' worth: docs/reference.md's interleaved memory factor over 1F1B's p. With
         // m == p Megatron runs all forwards first, so every stage holds all v*m.
         REQUIRE(il.ranks[0].peak_inflight == (m == p ? v * m : (v + 1) * p - 1));
         for (int64_t r = 0; r < p; ++r)
@@ -332,7 +332,7 @@ TEST_CASE("a split backward (zero-bubble style) fills the cool-down", "[pipeline
 }
 
 TEST_CASE("bad schedule arguments fail with what was expected and what was given", "[pipeline][schedule]") {
-  // REFERENCE.md: Megatron's interleaved schedule with p=4, v=2 accepts m=8, rejects m=7.
+  // docs/reference.md: Megatron's interleaved schedule with p=4, v=2 accepts m=8, rejects m=7.
   CHECK_NOTHROW(mp::build_schedule(ScheduleKind::kInterleaved, 4, 8, 2, 0));
   CHECK_THROWS_WITH(mp::build_schedule(ScheduleKind::kInterleaved, 4, 7, 2, 0),
                     Catch::Contains("expected --num-microbatches to be a multiple of 4, got 7") &&

@@ -52,7 +52,7 @@ PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<Mic
 // the time shifted to start at 0 and `rank` set to the pipeline rank.
 std::vector<TimelineRecord> gather_timeline(const PipelineStepResult& result, const std::string& pp_group);
 // Measured bubble of a gathered timeline: the stages' idle time over their busy time,
-// summed over stages (REFERENCE.md's definition; (p-1)/m for 1F1B in theory).
+// summed over stages (docs/reference.md's definition; (p-1)/m for 1F1B in theory).
 double measured_bubble(const std::vector<TimelineRecord>& timeline);
 
 }  // namespace megatorch::pipeline

@@ -2,7 +2,7 @@
 // Runs the action lists of all pipeline ranks against each other with per-action costs,
 // without a model: checks that the schedule is complete and free of deadlock, and
 // measures makespan, bubble and activations in flight. Times are integer ticks, so the
-// bubble is an exact fraction that tests compare with REFERENCE.md's formulas.
+// bubble is an exact fraction that tests compare with docs/reference.md's formulas.
 //
 // Execution model (the one the executor follows): each rank runs its list in order, one
 // action at a time. A compute waits for its inputs on this rank. A send is posted and
@@ -74,7 +74,7 @@ SimulationResult simulate(const std::vector<std::vector<Action>>& schedules, int
 SimulationResult simulate_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
                                    const SimulatorOptions& options = {});
 
-// REFERENCE.md (Narayanan et al. 2021): (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved.
+// docs/reference.md (Narayanan et al. 2021): (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved.
 Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
 
 }  // namespace megatorch::pipeline

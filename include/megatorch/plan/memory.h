@@ -1,6 +1,6 @@
 #pragma once
 // Per-GPU memory of a layout: weights, gradients and optimizer states by ZeRO stage
-// (REFERENCE.md's bytes per parameter), activations by Korthikanti et al. 2022 with the
+// (docs/reference.md's bytes per parameter), activations by Korthikanti et al. 2022 with the
 // number of micro-batches in flight taken from the pipeline schedule simulator, and buffers.
 #include <cstdint>
 #include <string>

@@ -40,7 +40,7 @@ std::vector<std::string> preset_names();
 // The planner's view of a megatorch model configuration (the fields that size memory and time).
 ModelSpec from_transformer_config(const transformer::TransformerConfig& config);
 
-// Mixed-precision recipes, by the bytes per parameter each keeps (REFERENCE.md).
+// Mixed-precision recipes, by the bytes per parameter each keeps (docs/reference.md).
 enum class Precision {
   kBf16,   // bf16 params, fp32 grads, fp32 master + Adam: Megatron's 18 -> 6 + 12/d
   kFp16,   // fp16 params and grads, fp32 grad copy, master + Adam: Megatron's 20 -> 4 + 16/d
@@ -88,9 +88,9 @@ int64_t total_params(const ModelSpec& m);
 // last rank (a copy of the tied embedding when pp > 1, as GPTModel does).
 int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank);
 
-// REFERENCE.md (Narayanan et al. 2021): 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)).
+// docs/reference.md (Narayanan et al. 2021): 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)).
 double narayanan_params(const ModelSpec& m);
-// FLOPs of one iteration over global_batch sequences, the REFERENCE.md count: the GEMMs of
+// FLOPs of one iteration over global_batch sequences, the docs/reference.md count: the GEMMs of
 // forward and backward, plus a second forward with full recompute (96 B s L h^2 (1 + s/(6h)
 // + V/(16 L h)) for the GPT of Table 1), plus the attention core again with selective
 // recompute. Generalised to GQA and SwiGLU by counting each GEMM.
