@@ -310,7 +310,8 @@ Work Group::batch_p2p(const std::vector<P2POp>& ops) {
       std::vector<at::Tensor> bufs{buf};
       auto work = send ? pg_->send(bufs, static_cast<int>(op.peer), static_cast<int>(op.tag))
                        : pg_->recv(bufs, static_cast<int>(op.peer), static_cast<int>(op.tag));
-      // Inside a coalesced group the per-op works are placeholders; endCoalescing's covers all.
+      // Inside a coalesced group c10d's per-op works track nothing of their own: the one
+      // endCoalescing returns completes with the whole group.
       if (!coalesce && work) works.push_back(std::move(work));
     }
   } catch (...) {
@@ -344,6 +345,20 @@ void Group::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
   Work(pg_->barrier(opts), info, nullptr).wait();
+}
+
+void reduce_flattened(const std::vector<at::Tensor>& tensors, const std::function<void(at::Tensor&)>& reduce) {
+  if (tensors.empty()) return;
+  std::vector<at::Tensor> flat_views;
+  for (const auto& t : tensors) flat_views.push_back(t.reshape(-1));
+  at::Tensor flat = at::cat(flat_views);
+  reduce(flat);
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    at::Tensor target = t;
+    target.copy_(flat.narrow(0, offset, t.numel()).view_as(t));
+    offset += t.numel();
+  }
 }
 
 }  // namespace megatorch::comm

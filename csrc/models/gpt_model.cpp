@@ -156,20 +156,12 @@ std::vector<at::Tensor> GPTModelImpl::sequence_parallel_parameters() const {
 
 void GPTModelImpl::allreduce_sequence_parallel_grads() {
   if (!options.config().sequence_parallel() || tp.size == 1) return;
-  std::vector<at::Tensor> grads, flat_views;
+  std::vector<at::Tensor> grads;
   for (const auto& p : sequence_parallel_parameters()) {
-    if (!p.grad().defined()) continue;
-    grads.push_back(p.grad());
-    flat_views.push_back(p.grad().reshape(-1));
+    if (p.grad().defined()) grads.push_back(p.grad());
   }
-  if (grads.empty()) return;
-  at::Tensor flat = at::cat(flat_views);
-  comm::Group(options.group()).all_reduce(flat);
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-    offset += g.numel();
-  }
+  comm::Group group(options.group());
+  comm::reduce_flattened(grads, [&](at::Tensor& flat) { group.all_reduce(flat); });
 }
 
 }  // namespace megatorch::models

@@ -69,7 +69,10 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
                     "DistributedOptimizer.set_param_info: expected ", params_.size(), " flags each (one per parameter), "
                     "got ", counted_in_norm.size(), " and ", weight_decay.size());
     info_.resize(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) info_[i] = {counted_in_norm[i], weight_decay[i]};
+    for (size_t i = 0; i < params_.size(); ++i) {
+      info_[i].counted_in_norm = counted_in_norm[i];
+      info_[i].weight_decay = weight_decay[i];
+    }
   }
   optim::DistributedOptimizer& get() {
     if (!opt_) {

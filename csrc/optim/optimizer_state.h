@@ -1,7 +1,8 @@
 #pragma once
 // DistributedOptimizer's buffers and in-flight work, shared by its source files
-// (distributed_optimizer.cpp: reduction, update, state; zero3_unit_hooks.cpp: ZeRO-3's
-// just-in-time units). Private to csrc/optim.
+// (distributed_optimizer.cpp: buffers, update, state; grad_reduction.cpp: the bucket
+// reductions during backward; param_gather_overlap.cpp: ZeRO-1/2's deferred parameter
+// gathers; zero3_unit_hooks.cpp: ZeRO-3's just-in-time units). Private to csrc/optim.
 #include <ATen/ATen.h>
 
 #include <cstdint>

@@ -273,9 +273,9 @@ IterationStats Trainer::train() {
     last = train_step();
     // Megatron's memory report: once, after the run's first iteration, from every rank of
     // the first DP replica (the others hold the same).
-    const std::string memory = device_memory_line(device_memory_stats(state_->device()));
-    if (iteration_ == first + 1 && state_->dp_rank() == 0 && !memory.empty()) {
-      std::printf("\n[Rank %ld] (after %ld iterations) %s\n", state_->rank(), iteration_, memory.c_str());
+    if (iteration_ == first + 1 && state_->dp_rank() == 0) {
+      const std::string memory = device_memory_line(device_memory_stats(state_->device()));
+      if (!memory.empty()) std::printf("\n[Rank %ld] (after %ld iterations) %s\n", state_->rank(), iteration_, memory.c_str());
       std::fflush(stdout);
     }
     std::map<std::string, int64_t> comm_bytes;

@@ -126,4 +126,8 @@ class Group {
   std::chrono::milliseconds timeout_;
 };
 
+// Many small tensors through one collective: `reduce` runs on the 1-D concatenation of
+// `tensors` (in place) and the result is written back into each of them.
+void reduce_flattened(const std::vector<at::Tensor>& tensors, const std::function<void(at::Tensor&)>& reduce);
+
 }  // namespace megatorch::comm
