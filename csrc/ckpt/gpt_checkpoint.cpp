@@ -93,6 +93,7 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   j["rotary_base"] = c.rotary_base();
   j["make_vocab_size_divisible_by"] = c.make_vocab_size_divisible_by();
   j["init_std"] = c.init_std();
+  j["sliding_window"] = c.sliding_window();
   return j;
 }
 
@@ -108,6 +109,7 @@ nlohmann::json gpt_shape_json(const TransformerConfig& c) {
           {"activation", transformer::to_string(c.activation())},
           {"position_embedding_type", transformer::to_string(c.position_embedding_type())},
           {"add_bias_linear", c.add_bias_linear()},
+          {"add_qkv_bias", c.add_qkv_bias()},
           {"tie_embeddings", c.tie_embeddings()}};
 }
 
@@ -134,6 +136,9 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
     if (j.contains("rotary_base")) c.rotary_base(j.at("rotary_base").get<double>());
     if (j.contains("make_vocab_size_divisible_by")) c.make_vocab_size_divisible_by(j.at("make_vocab_size_divisible_by").get<int64_t>());
     if (j.contains("init_std")) c.init_std(j.at("init_std").get<double>());
+    // Absent in checkpoints written before these fields existed: no QKV bias of its own, no window.
+    c.add_qkv_bias(j.value("add_qkv_bias", false));
+    c.sliding_window(j.value("sliding_window", int64_t{0}));
   } catch (const nlohmann::json::exception& e) {
     MEGATORCH_FAIL("checkpoint model_config ", j.dump(), " is not a GPT configuration (", e.what(), ")");
   }

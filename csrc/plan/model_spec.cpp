@@ -57,7 +57,7 @@ ModelSpec from_transformer_config(const transformer::TransformerConfig& c) {
   m.swiglu = c.activation() == transformer::Activation::kSwiGLU;
   m.rms_norm = c.normalization() == transformer::Normalization::kRMSNorm;
   m.learned_positions = c.position_embedding_type() == transformer::Positions::kLearned;
-  m.add_bias_linear = c.add_bias_linear(), m.tie_embeddings = c.tie_embeddings();
+  m.add_bias_linear = c.add_bias_linear(), m.add_qkv_bias = c.add_qkv_bias(), m.tie_embeddings = c.tie_embeddings();
   return m;
 }
 
@@ -132,9 +132,9 @@ struct LayerShapes {
 LayerShapes layer_shapes(const ModelSpec& m) {
   const int64_t h = m.hidden_size, qkv = (m.num_attention_heads + 2 * m.query_groups()) * m.head_dim();
   const int64_t fc1 = m.ffn() * (m.swiglu ? 2 : 1);
-  const int64_t bias = m.add_bias_linear ? 1 : 0;
+  const int64_t bias = m.add_bias_linear ? 1 : 0, qkv_bias = m.add_bias_linear || m.add_qkv_bias ? 1 : 0;
   const int64_t norm = (m.rms_norm || !m.add_bias_linear) ? h : 2 * h;  // LayerNorm's beta follows the biases
-  return {h * qkv + h * fc1, bias * (qkv + fc1), m.num_attention_heads * m.head_dim() * h + m.ffn() * h, bias * 2 * h,
+  return {h * qkv + h * fc1, qkv_bias * qkv + bias * fc1, m.num_attention_heads * m.head_dim() * h + m.ffn() * h, bias * 2 * h,
           2 * norm};
 }
 int64_t final_norm_params(const ModelSpec& m) { return (m.rms_norm || !m.add_bias_linear) ? m.hidden_size : 2 * m.hidden_size; }

@@ -42,7 +42,7 @@ void ParallelAttentionImpl::reset() {
   // so a contiguous slice of its rows holds whole key/value groups with their queries.
   const int64_t qkv_out = (c.num_attention_heads() + 2 * c.query_groups()) * d;
   qkv = register_module("qkv", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden_size(), qkv_out)
-                                                              .bias(c.add_bias_linear())
+                                                              .bias(c.add_bias_linear() || c.add_qkv_bias())
                                                               .sequence_parallel(c.sequence_parallel())
                                                               .group(options.group())
                                                               .init(param_init(c, options.name() + ".qkv"))));

@@ -33,6 +33,11 @@ void TransformerConfig::validate(int64_t tp) const {
                   "expected an even head dim for RoPE, got ", head_dim());
   MEGATORCH_CHECK(max_positions() >= seq_length_, "expected max_position_embeddings (", max_positions(),
                   ") >= seq_length (", seq_length_, ")");
+  MEGATORCH_CHECK(sliding_window_ >= 0, "expected sliding_window >= 0 (0: no window), got ", sliding_window_);
+  MEGATORCH_CHECK(sliding_window_ == 0 || sliding_window_ >= seq_length_, "expected sliding_window (",
+                  sliding_window_, ") >= seq_length (", seq_length_,
+                  "): megatorch attends over the whole causal prefix and has no sliding-window attention; "
+                  "use a --seq-length <= ", sliding_window_, " (the window)");
   MEGATORCH_CHECK(attention_dropout_ >= 0 && attention_dropout_ < 1 && hidden_dropout_ >= 0 && hidden_dropout_ < 1,
                   "expected dropout probabilities in [0, 1), got attention ", attention_dropout_, ", hidden ",
                   hidden_dropout_);

@@ -26,6 +26,7 @@ struct ModelSpec {
   bool rms_norm = false;
   bool learned_positions = true;
   bool add_bias_linear = true;
+  bool add_qkv_bias = false;  // QKV biases without the other biases (Qwen2)
   bool tie_embeddings = true;
 
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }

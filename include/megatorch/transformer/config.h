@@ -38,7 +38,14 @@ struct TransformerConfig {
   TORCH_ARG(double, hidden_dropout) = 0.0;
   // Biases on the linear layers (and LayerNorm's beta).
   TORCH_ARG(bool, add_bias_linear) = true;
+  // Biases on the QKV projection even when add_bias_linear is false (Qwen2; Megatron-core's
+  // add_qkv_bias). Changes the parameter shapes, so checkpoints record it.
+  TORCH_ARG(bool, add_qkv_bias) = false;
   TORCH_ARG(bool, tie_embeddings) = true;
+  // Sliding-window attention span in tokens (Mistral); 0: none. Attention here always covers
+  // the whole causal prefix, which equals a window >= seq_length, so validate() refuses a
+  // shorter window rather than silently attending further than the model was trained to.
+  TORCH_ARG(int64_t, sliding_window) = 0;
   // Split norm/dropout regions along the sequence across the TP group (Korthikanti).
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(Recompute, recompute) = Recompute::kNone;
