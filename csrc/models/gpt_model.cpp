@@ -2,8 +2,11 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/inference/kv_cache.h"
 #include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/init.h"
 
@@ -105,6 +108,50 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
     h = at::linear(h, output_weight());
   }
   if (unit_hooks_) h = unit_hooks_->after_forward(first_unit_, h);
+  return h;
+}
+
+at::Tensor GPTModelImpl::forward_cached(const at::Tensor& input, int64_t position_offset,
+                                       std::vector<inference::KVCache>& caches) {
+  const auto& c = options.config();
+  MEGATORCH_CHECK(!is_training() && !c.sequence_parallel(), "GPTModel::forward_cached: expected eval mode without "
+                  "sequence parallelism, got training ", is_training(), ", sequence_parallel ", c.sequence_parallel(),
+                  "; call eval() and build the model with sequence_parallel(false)");
+  MEGATORCH_CHECK(caches.size() == layers->size(), "GPTModel::forward_cached: expected one KV cache per layer (",
+                  layers->size(), "), got ", caches.size(), "; make them with inference::make_kv_caches");
+  const int64_t s = options.pre_process() ? input.size(1) : input.size(0);
+  for (const auto& cache : caches) {
+    MEGATORCH_CHECK(cache.length == position_offset, "GPTModel::forward_cached: expected the tokens to follow the ",
+                    cache.length, " cached ones, got position_offset ", position_offset);
+  }
+  const int64_t end = position_offset + s;
+  inference::check_sequence_length(c, end);
+  at::Tensor h;
+  if (options.pre_process()) {
+    MEGATORCH_CHECK(input.dim() == 2, "GPTModel::forward_cached: expected token ids [b, s], got ", input.sizes());
+    h = embedding->forward(input.t());  // [s, b, h]
+    if (position_embedding.defined()) h = h + position_embedding.narrow(0, position_offset, s).unsqueeze(1);
+  } else {
+    h = input;
+  }
+  at::Tensor freqs;
+  if (c.position_embedding_type() == Positions::kRope) {
+    // The same angles as rope_frequencies(end) (each depends on its position alone),
+    // regrown by doubling so a step costs no table.
+    if (!inference_rope_freqs_.defined() || inference_rope_freqs_.size(0) < end) {
+      const int64_t n = std::max(end, 2 * (inference_rope_freqs_.defined() ? inference_rope_freqs_.size(0) : 0));
+      inference_rope_freqs_ = transformer::rope_frequencies(n, c.head_dim(), c.rotary_base(), c.device());
+    }
+    freqs = inference_rope_freqs_.narrow(0, position_offset, s);
+  }
+  for (size_t i = 0; i < layers->size(); ++i) {
+    h = layers[i]->as<transformer::TransformerLayer>()->forward_cached(h, freqs, caches[i]);
+  }
+  if (options.post_process()) {
+    h = final_norm->forward(h);
+    h = tp::map_region(Mapping::kCopyToTP, h, options.group());
+    h = at::linear(h, output_weight());
+  }
   return h;
 }
 

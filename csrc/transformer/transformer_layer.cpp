@@ -70,6 +70,14 @@ at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& 
   return layer(x, rope_freqs);
 }
 
+at::Tensor TransformerLayerImpl::forward_cached(const at::Tensor& x, const at::Tensor& rope_freqs,
+                                               inference::KVCache& cache) {
+  // layer() with the attention reading and extending the cache (dropout is off in eval).
+  const at::Tensor a = attention->forward_cached_without_bias(input_norm->forward(x), rope_freqs, cache);
+  const at::Tensor h = dropout_add(a, attention->proj->bias, x);
+  return dropout_add(mlp->forward_without_bias(post_attention_norm->forward(h)), mlp->fc2->bias, h);
+}
+
 std::vector<at::Tensor> TransformerLayerImpl::sequence_parallel_parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& n : {input_norm, post_attention_norm}) {

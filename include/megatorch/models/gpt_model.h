@@ -36,6 +36,11 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
   // [s, b, h] ([s/tp, b, h] under SP). Returns hidden states, or with post_process
   // this rank's logits shard [s, b, Vp/tp].
   at::Tensor forward(const at::Tensor& input);
+  // Inference with one KV cache per layer of this chunk (inference::make_kv_caches): the
+  // input (ids [b, s], or the previous stage's hidden states [s, b, h]) holds the s tokens
+  // at positions [position_offset, position_offset + s), the caches every earlier one.
+  // Returns what forward returns for those tokens. Eval mode, no sequence parallelism.
+  at::Tensor forward_cached(const at::Tensor& input, int64_t position_offset, std::vector<inference::KVCache>& caches);
   // Per-token loss [s, b] (fp32) from a logits shard and labels [b, s]; padded
   // vocabulary columns are left out of the softmax, ignore_index tokens give 0.
   at::Tensor per_token_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100) const;
@@ -70,6 +75,7 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
  private:
   at::Tensor embed(const at::Tensor& ids);
   at::Tensor rope_freqs_;
+  at::Tensor inference_rope_freqs_;  // forward_cached's table, grown to the longest sequence seen
   std::shared_ptr<UnitHooks> unit_hooks_;
   int64_t first_unit_ = 0;
 };

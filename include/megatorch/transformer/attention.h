@@ -10,6 +10,7 @@
 
 #include <memory>
 
+#include "megatorch/inference/kv_cache.h"
 #include "megatorch/tp/column_parallel_linear.h"
 #include "megatorch/tp/rng_tracker.h"
 #include "megatorch/tp/row_parallel_linear.h"
@@ -43,6 +44,12 @@ class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl>
   // softmax(QK^T/sqrt(d)) V for q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d];
   // the part selective recomputation replays.
   at::Tensor core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+  // Inference with a KV cache (csrc/transformer/cached_attention.cpp): x [s, b, h] holds
+  // the s tokens after the cache's `length`, rope_freqs their positions' angles [s, 1, 1, r]
+  // (undefined without RoPE). Their keys and values are appended to `cache` and their
+  // queries attend over the whole cache, causally. Without proj's bias, like
+  // forward_without_bias. Eval mode, no sequence parallelism.
+  at::Tensor forward_cached_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs, inference::KVCache& cache);
 
   ParallelAttentionOptions options;
   tp::ColumnParallelLinear qkv{nullptr};

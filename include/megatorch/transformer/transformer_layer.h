@@ -24,6 +24,9 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
   explicit TransformerLayerImpl(TransformerLayerOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_freqs = {});
+  // Inference: x [s, b, h] are the tokens after those in `cache` (see
+  // ParallelAttention::forward_cached_without_bias). Eval mode.
+  at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& rope_freqs, inference::KVCache& cache);
 
   // Parameters replicated across TP whose gradients are partial under sequence
   // parallelism (norms, row-parallel biases): they need a sum over the TP group.
