@@ -1,4 +1,4 @@
-// megatorch-hf: HuggingFace interchange for GPT-2 and Llama.
+// megatorch-hf: HuggingFace interchange for GPT-2, Llama, Mistral and Qwen2.
 //
 //   megatorch-hf import --hf-dir tiny-llama/ --save ckpt/ [--iteration 0]
 //       config.json + model.safetensors (as transformers' save_pretrained writes them)
@@ -17,7 +17,7 @@
 namespace ckpt = megatorch::ckpt;
 
 int main(int argc, char** argv) {
-  CLI::App app{"megatorch-hf: import a HuggingFace GPT-2/Llama checkpoint into megatorch's format, or export one"};
+  CLI::App app{"megatorch-hf: import a HuggingFace GPT-2/Llama/Mistral/Qwen2 checkpoint into megatorch's format, or export one"};
   app.require_subcommand(1);
   std::string hf_dir, ckpt_dir;
   int64_t iteration = 0;
@@ -33,16 +33,16 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (*imp) {
-      const auto c = ckpt::import_hf(hf_dir, ckpt_dir, iteration);
+      const auto [c, arch] = ckpt::import_hf(hf_dir, ckpt_dir, iteration);
       std::printf("imported %s (%s, %lld layers, hidden %lld, vocab %lld) into %s, iteration %lld\n", hf_dir.c_str(),
-                  ckpt::to_string(ckpt::hf_arch_of(c)), static_cast<long long>(c.num_layers()),
+                  ckpt::to_string(arch), static_cast<long long>(c.num_layers()),
                   static_cast<long long>(c.hidden_size()), static_cast<long long>(c.vocab_size()), ckpt_dir.c_str(),
                   static_cast<long long>(iteration));
     } else {
-      const auto c = ckpt::export_hf(ckpt_dir, hf_dir, export_iteration);
+      const auto arch = ckpt::export_hf(ckpt_dir, hf_dir, export_iteration).arch;
       std::printf("exported %s (iteration %lld) as %s to %s\n", ckpt_dir.c_str(),
                   static_cast<long long>(export_iteration < 0 ? ckpt::latest_iteration(ckpt_dir) : export_iteration),
-                  ckpt::to_string(ckpt::hf_arch_of(c)), hf_dir.c_str());
+                  ckpt::to_string(arch), hf_dir.c_str());
     }
   } catch (const c10::Error& e) {
     std::cerr << e.what_without_backtrace() << "\n";

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include "megatorch/check.h"
@@ -37,51 +38,176 @@ T get_or(const json& j, const char* key, T fallback) {
   return j.contains(key) && !j.at(key).is_null() ? j.at(key).get<T>() : fallback;
 }
 
+// A set of named tensors that remembers which were taken, so that what is left over (a
+// tensor the model has no place for) is an error rather than silently dropped.
+class Tensors {
+ public:
+  explicit Tensors(std::map<std::string, at::Tensor> m) : m_(std::move(m)) {}
+  const at::Tensor& take(const std::string& name) {
+    auto it = m_.find(name);
+    MEGATORCH_CHECK(it != m_.end(), "HuggingFace checkpoint: expected tensor '", name, "', found none");
+    taken_.insert(name);
+    return it->second;
+  }
+  // Names neither taken nor `ignorable`.
+  std::vector<std::string> left(const std::function<bool(const std::string&)>& ignorable) const {
+    std::vector<std::string> out;
+    for (const auto& [k, v] : m_)
+      if (!taken_.count(k) && !ignorable(k)) out.push_back(k);
+    return out;
+  }
+
+ private:
+  std::map<std::string, at::Tensor> m_;
+  std::set<std::string> taken_;
+};
+
 const at::Tensor& take(const std::map<std::string, at::Tensor>& m, const std::string& name) {
   auto it = m.find(name);
-  MEGATORCH_CHECK(it != m.end(), "HuggingFace checkpoint: expected tensor '", name, "', found none");
+  MEGATORCH_CHECK(it != m.end(), "megatorch checkpoint: expected tensor '", name, "', found none");
   return it->second;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 std::string layer(int64_t i) { return "layers." + std::to_string(i) + "."; }
 
-}  // namespace
-
-const char* to_string(HFArch a) { return a == HFArch::kGPT2 ? "gpt2" : "llama"; }
-
-HFArch parse_hf_arch(const std::string& s) {
-  if (s == "gpt2") return HFArch::kGPT2;
-  if (s == "llama") return HFArch::kLlama;
-  MEGATORCH_FAIL("expected a HuggingFace model_type 'gpt2' or 'llama', got '", s, "'");
+bool llama_shaped(const TransformerConfig& c) {
+  return c.normalization() == Normalization::kRMSNorm && c.activation() == Activation::kSwiGLU &&
+         c.position_embedding_type() == Positions::kRope && !c.add_bias_linear();
 }
 
-HFArch hf_arch_of(const TransformerConfig& c) {
-  if (c.normalization() == Normalization::kLayerNorm && c.activation() == Activation::kGeluTanh &&
-      c.position_embedding_type() == Positions::kLearned && c.add_bias_linear() &&
-      c.query_groups() == c.num_attention_heads()) {
-    return HFArch::kGPT2;
+bool gpt2_shaped(const TransformerConfig& c) {
+  return c.normalization() == Normalization::kLayerNorm && c.activation() == Activation::kGeluTanh &&
+         c.position_embedding_type() == Positions::kLearned && c.add_bias_linear() &&
+         c.query_groups() == c.num_attention_heads();
+}
+
+// The RoPE of a Llama-family config.json: transformers 5 writes rope_parameters (possibly one
+// dict per layer type), 4.x rope_theta at the top and rope_scaling for the scaled kinds.
+// megatorch implements the default, unscaled RoPE over the whole head: returns its base.
+double rope_base(const json& h, const std::string& arch) {
+  double theta = get_or<double>(h, "rope_theta", 10000.0);
+  MEGATORCH_CHECK(get_or<double>(h, "partial_rotary_factor", 1.0) == 1.0, arch, " import: partial_rotary_factor ",
+                  h.at("partial_rotary_factor").dump(), " is not supported; megatorch rotates the whole head (1.0)");
+  std::vector<std::pair<std::string, json>> dicts;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!h.contains(key) || h.at(key).is_null()) continue;
+    const json& r = h.at(key);
+    MEGATORCH_CHECK(r.is_object(), arch, " import: expected ", key, " to be an object, got ", r.dump());
+    bool nested = !r.empty();
+    for (const auto& [k, v] : r.items()) nested = nested && v.is_object();
+    if (nested) {  // per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+      for (const auto& [k, v] : r.items()) dicts.emplace_back(std::string(key) + "." + k, v);
+    } else {
+      dicts.emplace_back(key, r);
+    }
   }
-  if (c.normalization() == Normalization::kRMSNorm && c.activation() == Activation::kSwiGLU &&
-      c.position_embedding_type() == Positions::kRope && !c.add_bias_linear()) {
-    return HFArch::kLlama;
+  bool first = true;
+  for (const auto& [where, r] : dicts) {
+    const std::string type = get_or<std::string>(r, "rope_type", get_or<std::string>(r, "type", "default"));
+    MEGATORCH_CHECK(type == "default", arch, " import: ", where, ".rope_type '", type,
+                    "' is not supported; megatorch implements the default (unscaled) RoPE only");
+    MEGATORCH_CHECK(get_or<double>(r, "partial_rotary_factor", 1.0) == 1.0, arch, " import: ", where,
+                    ".partial_rotary_factor ", r.value("partial_rotary_factor", json()).dump(),
+                    " is not supported; megatorch rotates the whole head (1.0)");
+    const double t = get_or<double>(r, "rope_theta", theta);
+    MEGATORCH_CHECK(first || t == theta, arch, " import: ", where, ".rope_theta ", t, " differs from ", theta,
+                    "; megatorch uses one RoPE base for every layer");
+    theta = t, first = false;
   }
+  return theta;
+}
+
+// Qwen2's window: layer i slides when use_sliding_window and i >= max_window_layers
+// (transformers writes this out as layer_types). megatorch has one attention kind for every
+// layer: all sliding is a window, none sliding is none, a mix is refused.
+int64_t qwen2_window(const json& h, int64_t layers) {
+  if (!get_or<bool>(h, "use_sliding_window", false)) return 0;
+  const int64_t window = get_or<int64_t>(h, "sliding_window", 0);
+  if (window <= 0) return 0;
+  int64_t sliding = 0;
+  if (h.contains("layer_types") && h.at("layer_types").is_array()) {
+    for (const auto& t : h.at("layer_types")) sliding += t.get<std::string>() == "sliding_attention";
+  } else {
+    sliding = std::max<int64_t>(0, layers - std::max<int64_t>(0, get_or<int64_t>(h, "max_window_layers", 28)));
+  }
+  MEGATORCH_CHECK(sliding == 0 || sliding == layers, "Qwen2 import: use_sliding_window with max_window_layers ",
+                  get_or<int64_t>(h, "max_window_layers", 28), " (layer_types) gives ", sliding, " sliding-window and ",
+                  layers - sliding, " full-attention layers; megatorch gives every layer the same attention, so "
+                  "max_window_layers must be 0 (all layers slide) or >= num_hidden_layers (", layers, ", none do)");
+  return sliding == layers ? window : 0;
+}
+
+}  // namespace
+
+const char* to_string(HFArch a) {
+  switch (a) {
+    case HFArch::kGPT2: return "gpt2";
+    case HFArch::kLlama: return "llama";
+    case HFArch::kMistral: return "mistral";
+    case HFArch::kQwen2: return "qwen2";
+  }
+  return "?";
+}
+
+HFArch parse_hf_arch(const std::string& s) {
+  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2})
+    if (s == to_string(a)) return a;
+  MEGATORCH_FAIL("expected a HuggingFace model_type 'gpt2', 'llama', 'mistral' or 'qwen2', got '", s, "'");
+}
+
+bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
+  switch (a) {
+    case HFArch::kGPT2: return gpt2_shaped(c) && c.sliding_window() == 0;
+    case HFArch::kLlama: return llama_shaped(c) && !c.add_qkv_bias() && c.sliding_window() == 0;
+    case HFArch::kMistral: return llama_shaped(c) && !c.add_qkv_bias();
+    case HFArch::kQwen2: return llama_shaped(c) && c.add_qkv_bias();
+  }
+  return false;
+}
+
+HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
+  if (!preferred.empty()) {
+    const HFArch p = parse_hf_arch(preferred);
+    if (hf_arch_holds(p, c)) return p;
+  }
+  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kMistral})
+    if (hf_arch_holds(a, c)) return a;
   MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
-                 to_string(c.position_embedding_type()), ", bias ", c.add_bias_linear(), ", ", c.query_groups(),
-                 " query groups) is neither GPT-2 (LayerNorm, gelu_tanh, learned positions, biases, MHA) nor Llama "
-                 "(RMSNorm, swiglu, rope, no biases)");
+                 to_string(c.position_embedding_type()), ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
+                 c.add_qkv_bias(), ", sliding_window ", c.sliding_window(), ", ", c.query_groups(),
+                 " query groups) is neither GPT-2 (LayerNorm, gelu_tanh, learned positions, biases, MHA, no window) "
+                 "nor Llama/Mistral/Qwen2 (RMSNorm, swiglu, rope, no linear biases; Qwen2: add_qkv_bias; "
+                 "Mistral: sliding_window)");
 }
 
 TransformerConfig config_from_hf(const json& h) {
   const std::string type = get_or<std::string>(h, "model_type", "");
+  const HFArch arch = parse_hf_arch(type);
+  MEGATORCH_CHECK(!h.contains("quantization_config") || h.at("quantization_config").is_null(), type,
+                  " import: quantization_config is not supported; import the unquantized (fp32/bf16/fp16) model");
   TransformerConfig c;
+  // Dropout probabilities (attn_pdrop, resid_pdrop, embd_pdrop, attention_dropout) act in
+  // training only; a run sets its own (--attention-dropout, --hidden-dropout), so they are
+  // not carried and do not change what the imported model computes.
   c.hidden_dropout(0).attention_dropout(0);
-  if (parse_hf_arch(type) == HFArch::kGPT2) {
+  if (arch == HFArch::kGPT2) {
     const std::string act = get_or<std::string>(h, "activation_function", "gelu_new");
     MEGATORCH_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", "GPT-2 import: activation_function '", act,
                     "' is not supported; megatorch's GPT-2 uses the tanh GeLU (gelu_new)");
-    MEGATORCH_CHECK(!get_or<bool>(h, "scale_attn_by_inverse_layer_idx", false) &&
-                        !get_or<bool>(h, "reorder_and_upcast_attn", false) && get_or<bool>(h, "scale_attn_weights", true),
-                    "GPT-2 import: only the standard 1/sqrt(head_dim) attention scaling is supported");
+    MEGATORCH_CHECK(!get_or<bool>(h, "scale_attn_by_inverse_layer_idx", false),
+                    "GPT-2 import: scale_attn_by_inverse_layer_idx true is not supported; megatorch scales "
+                    "attention by 1/sqrt(head_dim) only");
+    MEGATORCH_CHECK(get_or<bool>(h, "scale_attn_weights", true),
+                    "GPT-2 import: scale_attn_weights false is not supported; megatorch scales attention by "
+                    "1/sqrt(head_dim)");
+    // reorder_and_upcast_attn computes the same attention in fp32 (a precision choice, and
+    // megatorch's SDPA in fp32 is that already for fp32 models).
+    MEGATORCH_CHECK(!get_or<bool>(h, "add_cross_attention", false),
+                    "GPT-2 import: add_cross_attention true is not supported; megatorch's GPT is decoder-only");
     const int64_t hidden = h.at("n_embd").get<int64_t>();
     const int64_t positions = h.at("n_positions").get<int64_t>();
     c.hidden_size(hidden)
@@ -100,32 +226,38 @@ TransformerConfig config_from_hf(const json& h) {
         .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", true));
     return c;
   }
+  // Llama, Mistral and Qwen2: one layout; Qwen2 adds q/k/v biases, Mistral (and Qwen2 with
+  // use_sliding_window) a sliding window. pretraining_tp > 1 (Llama) only split the matmuls
+  // in transformers 4.x (numerically the same sums; 5.x ignores it), so it is not refused.
+  const std::string name = arch == HFArch::kLlama ? "Llama" : arch == HFArch::kMistral ? "Mistral" : "Qwen2";
   const std::string act = get_or<std::string>(h, "hidden_act", "silu");
-  MEGATORCH_CHECK(act == "silu", "Llama import: hidden_act '", act, "' is not supported (megatorch's SwiGLU uses silu)");
-  MEGATORCH_CHECK(!get_or<bool>(h, "attention_bias", false) && !get_or<bool>(h, "mlp_bias", false),
-                  "Llama import: attention_bias / mlp_bias are not supported");
-  // transformers 5 keeps rope_theta under rope_parameters; 4.x at the top level.
-  double theta = get_or<double>(h, "rope_theta", 10000.0);
-  std::string rope_type = "default";
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {
-    if (h.contains(key) && h.at(key).is_object()) {
-      theta = get_or<double>(h.at(key), "rope_theta", theta);
-      rope_type = get_or<std::string>(h.at(key), "rope_type", get_or<std::string>(h.at(key), "type", "default"));
-    }
+  MEGATORCH_CHECK(act == "silu" || act == "swish", name, " import: hidden_act '", act,
+                  "' is not supported (megatorch's SwiGLU uses silu)");
+  if (arch == HFArch::kLlama) {  // Mistral's and Qwen2's modeling code does not read these
+    MEGATORCH_CHECK(!get_or<bool>(h, "attention_bias", false), "Llama import: attention_bias true is not "
+                    "supported (it also puts a bias on o_proj, which megatorch's bias-free Llama has not)");
+    MEGATORCH_CHECK(!get_or<bool>(h, "mlp_bias", false), "Llama import: mlp_bias true is not supported");
   }
-  MEGATORCH_CHECK(rope_type == "default", "Llama import: rope type '", rope_type,
-                  "' is not supported; megatorch implements the default (unscaled) RoPE");
+  const double theta = rope_base(h, name);
   const int64_t hidden = h.at("hidden_size").get<int64_t>(), heads = h.at("num_attention_heads").get<int64_t>();
-  MEGATORCH_CHECK(get_or<int64_t>(h, "head_dim", hidden / heads) == hidden / heads,
-                  "Llama import: head_dim must be hidden_size / num_attention_heads = ", hidden / heads);
+  const int64_t head_dim = get_or<int64_t>(h, "head_dim", hidden / heads);
+  MEGATORCH_CHECK(head_dim * heads == hidden, name, " import: head_dim ", head_dim,
+                  " is not supported; megatorch's head dim is hidden_size / num_attention_heads = ", hidden, " / ",
+                  heads);
+  const int64_t layers = h.at("num_hidden_layers").get<int64_t>();
+  int64_t window = 0;
+  if (arch == HFArch::kMistral) window = get_or<int64_t>(h, "sliding_window", 0);  // null: none
+  if (arch == HFArch::kQwen2) window = qwen2_window(h, layers);
   const int64_t positions = h.at("max_position_embeddings").get<int64_t>();
   c.hidden_size(hidden)
       .num_attention_heads(heads)
       .num_query_groups(get_or<int64_t>(h, "num_key_value_heads", heads))
-      .num_layers(h.at("num_hidden_layers").get<int64_t>())
+      .num_layers(layers)
       .vocab_size(h.at("vocab_size").get<int64_t>())
       .ffn_hidden_size(h.at("intermediate_size").get<int64_t>())
-      .seq_length(positions)
+      // The window is kept; sequences stay within it (validate() refuses longer ones).
+      .seq_length(window > 0 ? std::min(positions, window) : positions)
+      .sliding_window(window)
       .norm_epsilon(get_or<double>(h, "rms_norm_eps", 1e-6))
       .rotary_base(theta)
       .init_std(get_or<double>(h, "initializer_range", 0.02))
@@ -133,12 +265,15 @@ TransformerConfig config_from_hf(const json& h) {
       .activation(Activation::kSwiGLU)
       .position_embedding_type(Positions::kRope)
       .add_bias_linear(false)
+      .add_qkv_bias(arch == HFArch::kQwen2)
       .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", false));
   return c;
 }
 
-json hf_config_from(const TransformerConfig& c) {
-  if (hf_arch_of(c) == HFArch::kGPT2) {
+json hf_config_from(const TransformerConfig& c, HFArch arch) {
+  MEGATORCH_CHECK(hf_arch_holds(arch, c), "HuggingFace export: the model cannot be written as ", to_string(arch),
+                  "; hf_arch_of(config) names the architecture that holds it");
+  if (arch == HFArch::kGPT2) {
     return {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
             {"vocab_size", c.vocab_size()},         {"n_positions", c.max_positions()},
             {"n_embd", c.hidden_size()},            {"n_layer", c.num_layers()},
@@ -148,74 +283,125 @@ json hf_config_from(const TransformerConfig& c) {
             {"attn_pdrop", 0.0},                    {"initializer_range", c.init_std()},
             {"tie_word_embeddings", c.tie_embeddings()}, {"torch_dtype", "float32"}};
   }
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"vocab_size", c.vocab_size()},
-          {"hidden_size", c.hidden_size()},
-          {"intermediate_size", c.ffn()},
-          {"num_hidden_layers", c.num_layers()},
-          {"num_attention_heads", c.num_attention_heads()},
-          {"num_key_value_heads", c.query_groups()},
-          {"head_dim", c.head_dim()},
-          {"max_position_embeddings", c.seq_length()},
-          {"rms_norm_eps", c.norm_epsilon()},
-          {"rope_theta", c.rotary_base()},
-          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rotary_base()}}},
-          {"hidden_act", "silu"},
-          {"attention_bias", false},
-          {"mlp_bias", false},
-          {"initializer_range", c.init_std()},
-          {"tie_word_embeddings", c.tie_embeddings()},
-          {"torch_dtype", "float32"}};
+  const char* cls = arch == HFArch::kLlama ? "LlamaForCausalLM"
+                    : arch == HFArch::kMistral ? "MistralForCausalLM" : "Qwen2ForCausalLM";
+  json j = {{"architectures", {cls}},
+            {"model_type", to_string(arch)},
+            {"vocab_size", c.vocab_size()},
+            {"hidden_size", c.hidden_size()},
+            {"intermediate_size", c.ffn()},
+            {"num_hidden_layers", c.num_layers()},
+            {"num_attention_heads", c.num_attention_heads()},
+            {"num_key_value_heads", c.query_groups()},
+            {"head_dim", c.head_dim()},
+            {"max_position_embeddings", c.seq_length()},
+            {"rms_norm_eps", c.norm_epsilon()},
+            {"rope_theta", c.rotary_base()},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rotary_base()}}},
+            {"hidden_act", "silu"},
+            {"attention_dropout", 0.0},
+            {"initializer_range", c.init_std()},
+            {"tie_word_embeddings", c.tie_embeddings()},
+            {"torch_dtype", "float32"}};
+  const json window = c.sliding_window() > 0 ? json(c.sliding_window()) : json(nullptr);
+  if (arch == HFArch::kLlama) {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+  } else if (arch == HFArch::kMistral) {
+    j["sliding_window"] = window;
+  } else {
+    // Qwen2: every layer slides (max_window_layers 0) or none does; layer_types says so
+    // explicitly, as transformers 5 writes it.
+    const bool slides = c.sliding_window() > 0;
+    j["use_sliding_window"] = slides;
+    j["sliding_window"] = window;
+    j["max_window_layers"] = slides ? 0 : c.num_layers();
+    j["layer_types"] = std::vector<std::string>(c.num_layers(), slides ? "sliding_attention" : "full_attention");
+  }
+  return j;
 }
 
 std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at::Tensor>& hf_in,
                                                   const TransformerConfig& c) {
   std::map<std::string, at::Tensor> out;
   const int64_t h = c.hidden_size(), heads = c.num_attention_heads(), groups = c.query_groups(), d = c.head_dim();
-  if (hf_arch_of(c) == HFArch::kGPT2) {
-    std::map<std::string, at::Tensor> hf;  // "transformer." is there for GPT2LMHeadModel, not for GPT2Model
-    for (const auto& [k, v] : hf_in) hf[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
-    out["embedding.weight"] = take(hf, "wte.weight");
-    out["position_embedding"] = take(hf, "wpe.weight");
+  std::function<bool(const std::string&)> ignorable;
+  std::string family;
+  std::map<std::string, at::Tensor> renamed;
+  if (gpt2_shaped(c)) {
+    family = "GPT-2";
+    for (const auto& [k, v] : hf_in) renamed[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
+    Tensors hf(renamed);  // "transformer." is there for GPT2LMHeadModel, not for GPT2Model
+    out["embedding.weight"] = hf.take("wte.weight");
+    out["position_embedding"] = hf.take("wpe.weight");
     for (int64_t i = 0; i < c.num_layers(); ++i) {
       const std::string p = "h." + std::to_string(i) + ".", l = layer(i);
       for (const char* s : {"weight", "bias"}) {
-        out[l + "input_norm." + s] = take(hf, p + "ln_1." + s);
-        out[l + "post_attention_norm." + s] = take(hf, p + "ln_2." + s);
+        out[l + "input_norm." + s] = hf.take(p + "ln_1." + s);
+        out[l + "post_attention_norm." + s] = hf.take(p + "ln_2." + s);
       }
       // Conv1D [in, out] -> Linear [out, in]; c_attn's [q; k; v] rows -> per head [q_i; k_i; v_i].
       out[l + "attention.qkv.weight"] =
-          take(hf, p + "attn.c_attn.weight").t().reshape({3, heads, d, h}).transpose(0, 1).reshape({3 * h, h});
-      out[l + "attention.qkv.bias"] = take(hf, p + "attn.c_attn.bias").reshape({3, heads, d}).transpose(0, 1).reshape({3 * h});
-      out[l + "attention.proj.weight"] = take(hf, p + "attn.c_proj.weight").t();
-      out[l + "attention.proj.bias"] = take(hf, p + "attn.c_proj.bias");
-      out[l + "mlp.fc1.weight"] = take(hf, p + "mlp.c_fc.weight").t();
-      out[l + "mlp.fc1.bias"] = take(hf, p + "mlp.c_fc.bias");
-      out[l + "mlp.fc2.weight"] = take(hf, p + "mlp.c_proj.weight").t();
-      out[l + "mlp.fc2.bias"] = take(hf, p + "mlp.c_proj.bias");
+          hf.take(p + "attn.c_attn.weight").t().reshape({3, heads, d, h}).transpose(0, 1).reshape({3 * h, h});
+      out[l + "attention.qkv.bias"] =
+          hf.take(p + "attn.c_attn.bias").reshape({3, heads, d}).transpose(0, 1).reshape({3 * h});
+      out[l + "attention.proj.weight"] = hf.take(p + "attn.c_proj.weight").t();
+      out[l + "attention.proj.bias"] = hf.take(p + "attn.c_proj.bias");
+      out[l + "mlp.fc1.weight"] = hf.take(p + "mlp.c_fc.weight").t();
+      out[l + "mlp.fc1.bias"] = hf.take(p + "mlp.c_fc.bias");
+      out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.c_proj.weight").t();
+      out[l + "mlp.fc2.bias"] = hf.take(p + "mlp.c_proj.bias");
     }
-    out["final_norm.weight"] = take(hf, "ln_f.weight");
-    out["final_norm.bias"] = take(hf, "ln_f.bias");
-    if (!c.tie_embeddings()) out["output_layer"] = take(hf, "lm_head.weight");
+    out["final_norm.weight"] = hf.take("ln_f.weight");
+    out["final_norm.bias"] = hf.take("ln_f.bias");
+    if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight");
+    // Older GPT-2 files carry the causal-mask buffers (attn.bias, attn.masked_bias); a tied
+    // head may be saved as well, and transformers ties it to wte on load.
+    ignorable = [&c](const std::string& k) {
+      return ends_with(k, ".attn.bias") || ends_with(k, ".attn.masked_bias") ||
+             (c.tie_embeddings() && k == "lm_head.weight");
+    };
+    const auto left = hf.left(ignorable);
+    MEGATORCH_CHECK(left.empty(), "HuggingFace checkpoint: tensor '", left.empty() ? "" : left.front(), "' (",
+                    left.size(), " in all) has no place in megatorch's ", family,
+                    " model; is config.json of another architecture than the weights?");
   } else {
-    const auto& hf = hf_in;
-    out["embedding.weight"] = take(hf, "model.embed_tokens.weight");
+    MEGATORCH_CHECK(llama_shaped(c), "HuggingFace import: the configuration is neither GPT-2 nor Llama-shaped");
+    family = "Llama-family";
+    Tensors hf(hf_in);
+    const int64_t per = heads / groups;
+    out["embedding.weight"] = hf.take("model.embed_tokens.weight");
     for (int64_t i = 0; i < c.num_layers(); ++i) {
       const std::string p = "model.layers." + std::to_string(i) + ".", l = layer(i);
-      out[l + "input_norm.weight"] = take(hf, p + "input_layernorm.weight");
-      out[l + "post_attention_norm.weight"] = take(hf, p + "post_attention_layernorm.weight");
-      // Group g's rows: its heads/groups queries, then its key, then its value.
-      const at::Tensor q = take(hf, p + "self_attn.q_proj.weight").reshape({groups, heads / groups * d, h});
-      const at::Tensor k = take(hf, p + "self_attn.k_proj.weight").reshape({groups, d, h});
-      const at::Tensor v = take(hf, p + "self_attn.v_proj.weight").reshape({groups, d, h});
+      out[l + "input_norm.weight"] = hf.take(p + "input_layernorm.weight");
+      out[l + "post_attention_norm.weight"] = hf.take(p + "post_attention_layernorm.weight");
+      // Group g's rows: its heads/groups queries, then its key, then its value; the biases alike.
+      const at::Tensor q = hf.take(p + "self_attn.q_proj.weight").reshape({groups, per * d, h});
+      const at::Tensor k = hf.take(p + "self_attn.k_proj.weight").reshape({groups, d, h});
+      const at::Tensor v = hf.take(p + "self_attn.v_proj.weight").reshape({groups, d, h});
       out[l + "attention.qkv.weight"] = at::cat({q, k, v}, 1).reshape({(heads + 2 * groups) * d, h});
-      out[l + "attention.proj.weight"] = take(hf, p + "self_attn.o_proj.weight");
-      out[l + "mlp.fc1.weight"] = at::cat({take(hf, p + "mlp.gate_proj.weight"), take(hf, p + "mlp.up_proj.weight")}, 0);
-      out[l + "mlp.fc2.weight"] = take(hf, p + "mlp.down_proj.weight");
+      if (c.add_qkv_bias()) {
+        const at::Tensor qb = hf.take(p + "self_attn.q_proj.bias").reshape({groups, per * d});
+        const at::Tensor kb = hf.take(p + "self_attn.k_proj.bias").reshape({groups, d});
+        const at::Tensor vb = hf.take(p + "self_attn.v_proj.bias").reshape({groups, d});
+        out[l + "attention.qkv.bias"] = at::cat({qb, kb, vb}, 1).reshape({(heads + 2 * groups) * d});
+      }
+      out[l + "attention.proj.weight"] = hf.take(p + "self_attn.o_proj.weight");
+      out[l + "mlp.fc1.weight"] =
+          at::cat({hf.take(p + "mlp.gate_proj.weight"), hf.take(p + "mlp.up_proj.weight")}, 0);
+      out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.down_proj.weight");
     }
-    out["final_norm.weight"] = take(hf, "model.norm.weight");
-    if (!c.tie_embeddings()) out["output_layer"] = take(hf, "lm_head.weight");
+    out["final_norm.weight"] = hf.take("model.norm.weight");
+    if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight");
+    // rotary_emb.inv_freq: a buffer older files carry, recomputed from rope_theta.
+    ignorable = [&c](const std::string& k) {
+      return ends_with(k, "rotary_emb.inv_freq") || (c.tie_embeddings() && k == "lm_head.weight");
+    };
+    const auto left = hf.left(ignorable);
+    MEGATORCH_CHECK(left.empty(), "HuggingFace checkpoint: tensor '", left.empty() ? "" : left.front(), "' (",
+                    left.size(), " in all) has no place in megatorch's ", family,
+                    " model; is config.json of another architecture than the weights (e.g. biases config.json "
+                    "does not declare)?");
   }
   for (auto& [k, v] : out) v = v.contiguous();
   return out;
@@ -225,7 +411,7 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
                                                 const TransformerConfig& c) {
   std::map<std::string, at::Tensor> out;
   const int64_t h = c.hidden_size(), heads = c.num_attention_heads(), groups = c.query_groups(), d = c.head_dim();
-  if (hf_arch_of(c) == HFArch::kGPT2) {
+  if (gpt2_shaped(c)) {
     out["transformer.wte.weight"] = take(mt, "embedding.weight");
     out["transformer.wpe.weight"] = take(mt, "position_embedding");
     for (int64_t i = 0; i < c.num_layers(); ++i) {
@@ -248,6 +434,7 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
     out["transformer.ln_f.bias"] = take(mt, "final_norm.bias");
     if (!c.tie_embeddings()) out["lm_head.weight"] = take(mt, "output_layer");
   } else {
+    MEGATORCH_CHECK(llama_shaped(c), "HuggingFace export: the configuration is neither GPT-2 nor Llama-shaped");
     out["model.embed_tokens.weight"] = take(mt, "embedding.weight");
     const int64_t per = heads / groups;
     for (int64_t i = 0; i < c.num_layers(); ++i) {
@@ -258,6 +445,12 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
       out[p + "self_attn.q_proj.weight"] = qkv.narrow(1, 0, per).reshape({heads * d, h});
       out[p + "self_attn.k_proj.weight"] = qkv.select(1, per).reshape({groups * d, h});
       out[p + "self_attn.v_proj.weight"] = qkv.select(1, per + 1).reshape({groups * d, h});
+      if (c.add_qkv_bias()) {
+        const at::Tensor b = take(mt, l + "attention.qkv.bias").reshape({groups, per + 2, d});
+        out[p + "self_attn.q_proj.bias"] = b.narrow(1, 0, per).reshape({heads * d});
+        out[p + "self_attn.k_proj.bias"] = b.select(1, per).reshape({groups * d});
+        out[p + "self_attn.v_proj.bias"] = b.select(1, per + 1).reshape({groups * d});
+      }
       out[p + "self_attn.o_proj.weight"] = take(mt, l + "attention.proj.weight");
       const auto gate_up = take(mt, l + "mlp.fc1.weight").chunk(2, 0);
       out[p + "mlp.gate_proj.weight"] = gate_up[0];
@@ -271,9 +464,11 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
   return out;
 }
 
-TransformerConfig import_hf(const std::string& hf_dir, const std::string& ckpt_dir, int64_t iteration) {
+HFConversion import_hf(const std::string& hf_dir, const std::string& ckpt_dir, int64_t iteration) {
   const fs::path dir(hf_dir);
-  const TransformerConfig c = config_from_hf(read_json(dir / "config.json"));
+  const json hf_config = read_json(dir / "config.json");
+  const TransformerConfig c = config_from_hf(hf_config);
+  const HFArch arch = parse_hf_arch(hf_config.at("model_type").get<std::string>());
   std::vector<fs::path> files;
   if (fs::exists(dir / "model.safetensors")) {
     files.push_back(dir / "model.safetensors");
@@ -301,15 +496,20 @@ TransformerConfig import_hf(const std::string& hf_dir, const std::string& ckpt_d
   }
   CheckpointState state;
   state.model_config = gpt_config_json(c);
-  state.state = {{"imported_from", hf_dir}, {"hf_model_type", to_string(hf_arch_of(c))}};
+  // The model_type, so that an export writes the same architecture back (a Mistral without a
+  // window is a Llama in shape, and would otherwise be exported as one).
+  state.state = {{"imported_from", hf_dir}, {"hf_model_type", to_string(arch)}};
   save_checkpoint(ckpt_dir, iteration, entries, state);
-  return c;
+  return {c, arch};
 }
 
-TransformerConfig export_hf(const std::string& ckpt_dir, const std::string& hf_dir, int64_t iteration) {
+HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, int64_t iteration) {
   const json meta = read_metadata(ckpt_dir, iteration);
   const TransformerConfig c = gpt_config_from_json(meta.at("model_config"));
-  hf_arch_of(c);  // refuse a model neither GPT-2 nor Llama before reading tensors
+  std::string recorded;
+  if (meta.contains("state") && meta.at("state").is_object())
+    recorded = get_or<std::string>(meta.at("state"), "hf_model_type", "");
+  const HFArch arch = hf_arch_of(c, recorded);  // refuse a model no architecture holds before reading tensors
   std::vector<ShardedEntry> entries;
   for (const auto& [key, t] : meta.at("tensors").items()) {
     if (key.rfind("model/", 0) != 0) continue;  // optimizer state stays behind
@@ -327,8 +527,8 @@ TransformerConfig export_hf(const std::string& ckpt_dir, const std::string& hf_d
   for (auto& [k, v] : to_hf_tensors(tensors, c)) hf.emplace_back(k, v);
   fs::create_directories(hf_dir);
   write_safetensors((fs::path(hf_dir) / "model.safetensors").string(), hf, {{"format", "pt"}});
-  std::ofstream(fs::path(hf_dir) / "config.json") << hf_config_from(c).dump(2) << "\n";
-  return c;
+  std::ofstream(fs::path(hf_dir) / "config.json") << hf_config_from(c, arch).dump(2) << "\n";
+  return {c, arch};
 }
 
 }  // namespace megatorch::ckpt

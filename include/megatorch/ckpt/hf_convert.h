@@ -1,6 +1,8 @@
 #pragma once
 // HuggingFace interchange: a single unsharded safetensors checkpoint with HuggingFace's
-// names and config.json, for GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+// names and config.json, for GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral
+// (MistralForCausalLM: Llama + sliding_window) and Qwen2 (Qwen2ForCausalLM: Llama + q/k/v
+// biases). A config.json field the model cannot honour is an error naming the field.
 // import_hf writes a megatorch checkpoint (loadable at any TP x PP), export_hf reads one
 // (saved at any layout) and writes a directory transformers' from_pretrained loads.
 // The layouts differ where the models do: GPT-2's Conv1D weights are [in, out] and its
@@ -16,15 +18,22 @@
 
 namespace megatorch::ckpt {
 
-enum class HFArch { kGPT2, kLlama };
-const char* to_string(HFArch a);  // "gpt2" | "llama"
+enum class HFArch { kGPT2, kLlama, kMistral, kQwen2 };
+const char* to_string(HFArch a);  // the HuggingFace model_type: "gpt2" | "llama" | "mistral" | "qwen2"
 HFArch parse_hf_arch(const std::string& s);
 
-// The architecture a megatorch configuration corresponds to (an error for none).
-HFArch hf_arch_of(const transformer::TransformerConfig& config);
+// Whether `arch` can express this configuration exactly (Llama: no window, no QKV bias;
+// Mistral: no QKV bias; Qwen2: QKV bias and no other).
+bool hf_arch_holds(HFArch arch, const transformer::TransformerConfig& config);
+// The architecture a megatorch configuration is exported as: `preferred` (the model_type an
+// import recorded) when it holds the configuration, else the first of GPT-2, Llama, Qwen2,
+// Mistral that does; an error naming what no architecture has.
+HFArch hf_arch_of(const transformer::TransformerConfig& config, const std::string& preferred = "");
 // config.json <-> TransformerConfig (unsupported options are errors that name them).
 transformer::TransformerConfig config_from_hf(const nlohmann::json& hf_config);
-nlohmann::json hf_config_from(const transformer::TransformerConfig& config);
+// Sliding windows: the import keeps the window and takes seq_length = min(max_position_embeddings,
+// sliding_window); TransformerConfig::validate refuses any use with seq_length > sliding_window.
+nlohmann::json hf_config_from(const transformer::TransformerConfig& config, HFArch arch);
 
 // Whole tensors: megatorch's single-model names ("embedding.weight" [V, h] without
 // padding, "layers.0.attention.qkv.weight", ...) <-> HuggingFace's.
@@ -33,12 +42,18 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
 std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::Tensor>& tensors,
                                                 const transformer::TransformerConfig& config);
 
+// What an import or export converted: the model and the HuggingFace architecture.
+struct HFConversion {
+  transformer::TransformerConfig config;
+  HFArch arch;
+};
+
 // A HuggingFace directory (config.json, model.safetensors or an index of several files)
-// -> a megatorch checkpoint `iteration` under ckpt_dir. Returns the configuration.
-transformer::TransformerConfig import_hf(const std::string& hf_dir, const std::string& ckpt_dir,
-                                         int64_t iteration = 0);
-// A megatorch checkpoint (-1: the latest) -> hf_dir/config.json + model.safetensors.
-transformer::TransformerConfig export_hf(const std::string& ckpt_dir, const std::string& hf_dir,
-                                         int64_t iteration = -1);
+// -> a megatorch checkpoint `iteration` under ckpt_dir (its state records hf_model_type).
+// A tensor of the HuggingFace checkpoint that has no place in the model is an error.
+HFConversion import_hf(const std::string& hf_dir, const std::string& ckpt_dir, int64_t iteration = 0);
+// A megatorch checkpoint (-1: the latest) -> hf_dir/config.json + model.safetensors, as the
+// checkpoint's recorded hf_model_type when that holds the model (hf_arch_of).
+HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, int64_t iteration = -1);
 
 }  // namespace megatorch::ckpt
