@@ -58,3 +58,6 @@
 #include "megatorch/plan/memory.h"
 #include "megatorch/plan/model_spec.h"
 #include "megatorch/plan/planner.h"
+#include "megatorch/inference/kv_cache.h"
+#include "megatorch/inference/sampling.h"
+#include "megatorch/inference/text_generator.h"
