@@ -5,6 +5,10 @@
 //       --tokenizer-type ByteLevel --append-eod --workers 2
 //   -> out/my_text_document.bin, out/my_text_document.idx
 //
+//   megatorch-preprocess --input docs.jsonl --output-prefix out/my_bpe --json-keys text
+//       --tokenizer-type GPT2BPETokenizer --vocab-file data/tokenizers/default-bpe/vocab.json
+//       --merge-file data/tokenizers/default-bpe/merges.txt --append-eod --workers 4
+//
 //   megatorch-preprocess --input ids.jsonl --output-prefix out/my --json-keys ids
 //       --tokenizer-type PreTokenized --vocab-size 50257 --eod-id 50256 --append-eod
 #include <CLI/CLI.hpp>
@@ -14,25 +18,23 @@
 
 #include "megatorch/check.h"
 #include "megatorch/data/preprocess.h"
+#include "megatorch/data/tokenizer_flags.h"
 
 namespace md = megatorch::data;
 
 int main(int argc, char** argv) {
   CLI::App app{"Tokenize a JSONL file into Megatron's indexed dataset format (.bin/.idx)"};
-  std::string input, output_prefix, tokenizer_type = "ByteLevel";
+  std::string input, output_prefix;
+  md::TokenizerOptions tokenizer;
   std::vector<std::string> json_keys{"text"};
   bool append_eod = false;
-  int64_t workers = 1, vocab_size = -1, eod_id = -1;
+  int64_t workers = 1;
   app.add_option("--input", input, "JSONL file, one JSON object per line")->required();
   app.add_option("--output-prefix", output_prefix, "Writes PREFIX_KEY_document.bin/.idx for each json key")->required();
   app.add_option("--json-keys", json_keys, "Keys whose values become documents")->capture_default_str();
   app.add_flag("--append-eod", append_eod, "Append the end-of-document id to every non-empty document");
-  app.add_option("--tokenizer-type", tokenizer_type,
-                 "ByteLevel (UTF-8 bytes, ids 0-255, end-of-document 256, vocab 257) or PreTokenized (lists of ids)")
-      ->check(CLI::IsMember({"ByteLevel", "PreTokenized"}))
-      ->capture_default_str();
-  app.add_option("--vocab-size", vocab_size, "PreTokenized: size of the vocabulary (ids must be below it)");
-  app.add_option("--eod-id", eod_id, "PreTokenized: the end-of-document id for --append-eod");
+  md::add_tokenizer_options(app, tokenizer);
+  app.add_option("--vocab-size", tokenizer.vocab_size(), "PreTokenized: size of the vocabulary (ids must be below it)");
   app.add_option("--workers", workers, "Threads that parse and tokenize")->check(CLI::PositiveNumber)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -43,13 +45,12 @@ int main(int argc, char** argv) {
                                                             .output_prefix(output_prefix)
                                                             .json_keys(json_keys)
                                                             .append_eod(append_eod)
-                                                            .tokenizer_type(tokenizer_type)
-                                                            .vocab_size(vocab_size)
-                                                            .eod_id(eod_id)
+                                                            .tokenizer(tokenizer)
                                                             .workers(workers));
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("processed %lld documents (%.2f MB) in %.2f s, dtype %s\n", static_cast<long long>(r.lines),
-                static_cast<double>(r.input_bytes) / 1e6, s, r.dtype.c_str());
+    std::printf("processed %lld documents (%.2f MB) in %.2f s with %s (vocab %lld), dtype %s\n",
+                static_cast<long long>(r.lines), static_cast<double>(r.input_bytes) / 1e6, s, r.tokenizer.c_str(),
+                static_cast<long long>(r.vocab_size), r.dtype.c_str());
     for (const auto& o : r.outputs) {
       std::printf("  %s: %lld documents, %lld sequences, %lld tokens -> %s.bin/.idx\n", o.key.c_str(),
                   static_cast<long long>(o.documents), static_cast<long long>(o.sequences), static_cast<long long>(o.tokens),

@@ -21,26 +21,13 @@ struct EncodedDoc {
   std::vector<int64_t> lengths;
 };
 
+// Megatron's Encoder.encode for one line: every key's document. Stateless apart from the
+// options; the tokenizer is the calling worker's own.
 class Encoder {
  public:
-  explicit Encoder(const PreprocessOptions& o) : o_(o), byte_level_(o.tokenizer_type() == "ByteLevel") {
-    if (byte_level_) {
-      vocab_size_ = kByteLevelVocabSize;
-      eod_ = kByteLevelEod;
-    } else {
-      MEGATORCH_CHECK(o.tokenizer_type() == "PreTokenized", "unknown --tokenizer-type '", o.tokenizer_type(),
-                      "'; megatorch-preprocess has ByteLevel (UTF-8 bytes, vocab 257) and PreTokenized (JSON 'ids' lists)");
-      MEGATORCH_CHECK(o.vocab_size() > 0, "--tokenizer-type PreTokenized needs --vocab-size (ids are checked against it)");
-      vocab_size_ = o.vocab_size();
-      eod_ = o.eod_id();
-      MEGATORCH_CHECK(!o.append_eod() || (eod_ >= 0 && eod_ < vocab_size_),
-                      "--append-eod with PreTokenized needs --eod-id in [0, --vocab-size), got ", eod_);
-    }
-  }
-  int64_t vocab_size() const { return vocab_size_; }
+  Encoder(const PreprocessOptions& o, int64_t vocab_size, int64_t eod) : o_(o), vocab_size_(vocab_size), eod_(eod) {}
 
-  // Megatron's Encoder.encode for one line: every key's document.
-  std::vector<EncodedDoc> encode(const std::string& line, int64_t line_no) const {
+  std::vector<EncodedDoc> encode(const std::string& line, int64_t line_no, Tokenizer& tok) const {
     json obj;
     try {
       obj = json::parse(line);
@@ -54,8 +41,14 @@ class Encoder {
       MEGATORCH_CHECK(it != obj.end(), o_.input(), " line ", line_no, " has no key \"", key,
                       "\"; choose the field with --json-keys");
       EncodedDoc doc;
-      for_each_sentence(*it, line_no, key, [&](std::vector<int64_t> ids) {
+      for_each_sentence(*it, line_no, key, tok, [&](std::vector<int64_t> ids) {
+        // As Megatron: a sentence whose encoding is empty adds no sequence.
         if (ids.empty()) return;
+        for (const int64_t id : ids) {
+          MEGATORCH_CHECK(id >= 0 && id < vocab_size_, o_.input(), " line ", line_no, ": token id ", id,
+                          " is outside [0, ", tok.has_text() ? "the " + tok.name() + " vocabulary" : "--vocab-size",
+                          "=", vocab_size_, ")");
+        }
         doc.lengths.push_back(static_cast<int64_t>(ids.size()));
         doc.tokens.insert(doc.tokens.end(), ids.begin(), ids.end());
       });
@@ -70,15 +63,13 @@ class Encoder {
 
  private:
   template <typename F>
-  void for_each_sentence(const json& v, int64_t line_no, const std::string& key, F&& emit) const {
-    if (byte_level_) {
+  void for_each_sentence(const json& v, int64_t line_no, const std::string& key, Tokenizer& tok, F&& emit) const {
+    if (tok.has_text()) {
       const auto one = [&](const json& s) {
-        MEGATORCH_CHECK(s.is_string(), o_.input(), " line ", line_no, ": \"", key, "\" must be a string or a list of strings ",
-                        "for ByteLevel, got ", s.type_name(), " (pre-tokenized ids need --tokenizer-type PreTokenized)");
-        const std::string& text = s.get_ref<const std::string&>();
-        std::vector<int64_t> ids(text.size());
-        for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
-        emit(std::move(ids));
+        MEGATORCH_CHECK(s.is_string(), o_.input(), " line ", line_no, ": \"", key, "\" must be a string or a list of ",
+                        "strings for ", tok.name(), ", got ", s.type_name(),
+                        " (pre-tokenized ids need --tokenizer-type PreTokenized)");
+        emit(tok.tokenize(s.get_ref<const std::string&>()));
       };
       if (v.is_array()) {
         for (const json& s : v) one(s);
@@ -93,10 +84,7 @@ class Encoder {
       for (const json& t : list) {
         MEGATORCH_CHECK(t.is_number_integer(), o_.input(), " line ", line_no, ": \"", key,
                         "\" must hold integer token ids, got ", t.dump());
-        const auto id = t.get<int64_t>();
-        MEGATORCH_CHECK(id >= 0 && id < vocab_size_, o_.input(), " line ", line_no, ": token id ", id,
-                        " is outside [0, --vocab-size=", vocab_size_, ")");
-        ids.push_back(id);
+        ids.push_back(t.get<int64_t>());
       }
       return ids;
     };
@@ -113,10 +101,32 @@ class Encoder {
   }
 
   const PreprocessOptions& o_;
-  bool byte_level_;
-  int64_t vocab_size_ = 0;
-  int64_t eod_ = -1;
+  int64_t vocab_size_;
+  int64_t eod_;
 };
+
+// Runs fn(w) for w in [0, n) on n threads (inline for one) and rethrows the first error.
+template <typename F>
+void parallel_for(size_t n, F&& fn) {
+  std::vector<std::exception_ptr> errors(n);
+  const auto run = [&](size_t w) {
+    try {
+      fn(w);
+    } catch (...) {
+      errors[w] = std::current_exception();
+    }
+  };
+  if (n == 1) {
+    run(0);
+  } else {
+    std::vector<std::thread> threads;
+    for (size_t w = 0; w < n; ++w) threads.emplace_back(run, w);
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
 
 bool is_blank(const std::string& line) {
   return line.find_first_not_of(" \t\r\n") == std::string::npos;
@@ -129,24 +139,35 @@ PreprocessReport preprocess_jsonl(const PreprocessOptions& o) {
   MEGATORCH_CHECK(!o.output_prefix().empty(), "--output-prefix is required");
   MEGATORCH_CHECK(!o.json_keys().empty(), "--json-keys needs at least one key");
   MEGATORCH_CHECK(o.workers() >= 1, "--workers must be >= 1, got ", o.workers());
-  const Encoder encoder(o);
   std::ifstream in(o.input(), std::ios::binary);
   MEGATORCH_CHECK(in.good(), "cannot open --input ", o.input());
+  const auto workers = static_cast<size_t>(o.workers());
+  // One tokenizer per worker, started together (a library-backed one is a process that
+  // takes a moment to import its library).
+  std::vector<std::unique_ptr<Tokenizer>> tokenizers(workers);
+  parallel_for(workers, [&](size_t w) { tokenizers[w] = build_tokenizer(o.tokenizer()); });
+  const int64_t vocab_size = tokenizers[0]->vocab_size();
+  const int64_t eod = tokenizers[0]->eod();
+  MEGATORCH_CHECK(!o.append_eod() || (eod >= 0 && eod < vocab_size), "--append-eod needs an end-of-document id in [0, ",
+                  vocab_size, ") but the ", tokenizers[0]->name(), " tokenizer has ", eod,
+                  tokenizers[0]->has_text() ? " (a HuggingFace tokenizer needs an eos_token)" : " (give --eod-id)");
+  const Encoder encoder(o, vocab_size, eod);
 
   PreprocessReport report;
-  report.dtype = dtype_name(optimal_dtype(encoder.vocab_size()));
+  report.tokenizer = tokenizers[0]->name();
+  report.vocab_size = vocab_size;
+  report.dtype = dtype_name(optimal_dtype(vocab_size));
   std::vector<std::unique_ptr<IndexedDatasetBuilder>> builders;
   for (const std::string& key : o.json_keys()) {
     PreprocessOutput out;
     out.key = key;
     out.prefix = o.output_prefix() + "_" + key + "_document";
-    builders.push_back(std::make_unique<IndexedDatasetBuilder>(bin_path(out.prefix), optimal_dtype(encoder.vocab_size())));
+    builders.push_back(std::make_unique<IndexedDatasetBuilder>(bin_path(out.prefix), optimal_dtype(vocab_size)));
     report.outputs.push_back(out);
   }
 
   // Lines are read in batches, encoded by the workers in parallel (each a contiguous slice)
   // and written in input order.
-  const auto workers = static_cast<size_t>(o.workers());
   const size_t batch = 512 * workers;
   std::vector<std::string> lines;
   std::vector<int64_t> line_nos;
@@ -169,26 +190,11 @@ PreprocessReport preprocess_jsonl(const PreprocessOptions& o) {
       line_nos.push_back(line_no);
     }
     encoded.assign(lines.size(), {});
-    std::vector<std::exception_ptr> errors(workers);
-    const auto work = [&](size_t w) {
-      try {
-        for (size_t i = w * lines.size() / workers; i < (w + 1) * lines.size() / workers; ++i) {
-          encoded[i] = encoder.encode(lines[i], line_nos[i]);
-        }
-      } catch (...) {
-        errors[w] = std::current_exception();
+    parallel_for(workers, [&](size_t w) {
+      for (size_t i = w * lines.size() / workers; i < (w + 1) * lines.size() / workers; ++i) {
+        encoded[i] = encoder.encode(lines[i], line_nos[i], *tokenizers[w]);
       }
-    };
-    if (workers == 1) {
-      work(0);
-    } else {
-      std::vector<std::thread> threads;
-      for (size_t w = 0; w < workers; ++w) threads.emplace_back(work, w);
-      for (auto& t : threads) t.join();
-    }
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+    });
     for (const auto& docs : encoded) {
       for (size_t k = 0; k < docs.size(); ++k) {
         builders[k]->add_document(docs[k].tokens.data(), docs[k].lengths);

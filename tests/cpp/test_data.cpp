@@ -444,9 +444,10 @@ TEST_CASE("preprocess_jsonl: ByteLevel and PreTokenized, Megatron's document rul
                                           .input(ids)
                                           .output_prefix(dir / "p")
                                           .json_keys({"ids"})
-                                          .tokenizer_type("PreTokenized")
-                                          .vocab_size(80000)
-                                          .eod_id(79999)
+                                          .tokenizer(md::TokenizerOptions()
+                                                         .tokenizer_type("PreTokenized")
+                                                         .vocab_size(80000)
+                                                         .eod_id(79999))
                                           .append_eod(true));
   CHECK(r.dtype == "int32");
   const md::IndexedDataset p(dir / "p_ids_document");
@@ -456,11 +457,13 @@ TEST_CASE("preprocess_jsonl: ByteLevel and PreTokenized, Megatron's document rul
   auto base = md::PreprocessOptions().input(in).output_prefix(dir / "e");
   CHECK_THROWS_WITH(md::preprocess_jsonl(base.json_keys({"missing"})), Contains("line 1 has no key \"missing\""));
   CHECK_THROWS_WITH(md::preprocess_jsonl(md::PreprocessOptions().input(ids).output_prefix(dir / "e")
-                                             .json_keys({"ids"}).tokenizer_type("PreTokenized").vocab_size(100)),
+                                             .json_keys({"ids"})
+                                             .tokenizer(md::TokenizerOptions().tokenizer_type("PreTokenized").vocab_size(100))),
                     Contains("token id 70000 is outside [0, --vocab-size=100)"));
   CHECK_THROWS_WITH(md::preprocess_jsonl(md::PreprocessOptions().input(ids).output_prefix(dir / "e").json_keys({"ids"})),
                     Contains("must be a string") && Contains("PreTokenized"));
-  CHECK_THROWS_WITH(md::preprocess_jsonl(md::PreprocessOptions().input(in).output_prefix(dir / "e").tokenizer_type("GPT2BPE")),
+  CHECK_THROWS_WITH(md::preprocess_jsonl(md::PreprocessOptions().input(in).output_prefix(dir / "e")
+                                             .tokenizer(md::TokenizerOptions().tokenizer_type("GPT2BPE"))),
                     Contains("unknown --tokenizer-type 'GPT2BPE'"));
   {
     std::ofstream f(dir / "bad.jsonl");

@@ -7,15 +7,19 @@
 // document's last sequence. The dtype is Megatron's choice for the vocabulary (uint16
 // below 65500 ids, else int32), so the files equal Megatron's for the same token ids.
 //
-// Tokenizers:
-//   ByteLevel     the UTF-8 bytes of the text: ids 0..255, end-of-document 256, vocab 257
-//   PreTokenized  the value is already token ids (a list of ints, or a list of such lists);
-//                 needs vocab_size, and eod_id with append_eod
+// The tokenizer is any of megatorch's (tokenizer.h): ByteLevel, GPT2BPETokenizer,
+// HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer take a string or a list of
+// strings; PreTokenized takes the ids themselves (a list of ints, or a list of such lists)
+// and needs vocab_size, and eod_id with append_eod. Every id must be below the tokenizer's
+// vocabulary. Each worker thread has its own tokenizer (for the library-backed types its
+// own Python process), so --workers parallelises the tokenization itself.
 #include <torch/arg.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "megatorch/data/tokenizer.h"
 
 namespace megatorch::data {
 
@@ -24,14 +28,9 @@ struct PreprocessOptions {
   TORCH_ARG(std::string, output_prefix);
   TORCH_ARG(std::vector<std::string>, json_keys) = {"text"};
   TORCH_ARG(bool, append_eod) = false;
-  TORCH_ARG(std::string, tokenizer_type) = "ByteLevel";
-  TORCH_ARG(int64_t, vocab_size) = -1;  // PreTokenized: ids must be < vocab_size
-  TORCH_ARG(int64_t, eod_id) = -1;      // PreTokenized with append_eod
+  TORCH_ARG(TokenizerOptions, tokenizer);
   TORCH_ARG(int64_t, workers) = 1;      // threads that parse and tokenize lines
 };
-
-constexpr int64_t kByteLevelVocabSize = 257;
-constexpr int64_t kByteLevelEod = 256;
 
 struct PreprocessOutput {
   std::string key;
@@ -45,6 +44,8 @@ struct PreprocessReport {
   int64_t lines = 0;
   int64_t input_bytes = 0;
   std::string dtype;
+  std::string tokenizer;   // its name
+  int64_t vocab_size = 0;  // the tokenizer's, which chose the dtype
   std::vector<PreprocessOutput> outputs;  // one per json key, in --json-keys order
 };
 
