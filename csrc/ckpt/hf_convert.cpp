@@ -228,7 +228,8 @@ TransformerConfig config_from_hf(const json& h) {
   }
   // Llama, Mistral and Qwen2: one layout; Qwen2 adds q/k/v biases, Mistral (and Qwen2 with
   // use_sliding_window) a sliding window. pretraining_tp > 1 (Llama) only split the matmuls
-  // in transformers 4.x (numerically the same sums; 5.x ignores it), so it is not refused.
+  // in transformers 4.x (numerically the same sums; 5.x ignores it), so it is not refused;
+  // pad_token_id only keeps HF's embedding row from training (padding_idx), not the forward.
   const std::string name = arch == HFArch::kLlama ? "Llama" : arch == HFArch::kMistral ? "Mistral" : "Qwen2";
   const std::string act = get_or<std::string>(h, "hidden_act", "silu");
   MEGATORCH_CHECK(act == "silu" || act == "swish", name, " import: hidden_act '", act,

@@ -191,6 +191,8 @@ REFUSED = [
     ("mistral", dict(head_dim=16), "head_dim 16"),
     ("qwen2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention"),
+    ("gpt2", dict(activation_function="relu"), "activation_function 'relu'"),
+    ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     ("llama", dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
     # Layer 0 full attention, layer 1 sliding: megatorch has one kind for all layers.
