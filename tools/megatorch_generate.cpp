@@ -140,6 +140,12 @@ int run(const Args& a) {
   base.hidden_dropout(0).attention_dropout(0).sequence_parallel(false);
   auto config = mt::ckpt::gpt_config_from_json(meta.at("model_config"), base);
   config.validate(a.tp);
+  const auto sampling = mt::inference::SamplingOptions()
+                            .greedy(!a.sample)
+                            .temperature(a.temperature)
+                            .top_k(a.top_k)
+                            .top_p(a.top_p);
+  sampling.validate();
 
   auto options = mt::parallel::ParallelStateOptions(a.tp, a.pp).name("generate").device(a.device).backend(a.backend);
   std::unique_ptr<mt::parallel::ParallelState> state =
@@ -173,6 +179,10 @@ int run(const Args& a) {
   for (size_t i = 0; i < ids.size(); ++i) {
     try {
       MEGATORCH_CHECK(!ids[i].empty(), "megatorch-generate: expected a prompt of at least one token, got none");
+      for (int64_t id : ids[i]) {
+        MEGATORCH_CHECK(id >= 0 && id < config.vocab_size(), "megatorch-generate: expected prompt ids in [0, ",
+                        config.vocab_size(), ") (the model's vocabulary), got ", id);
+      }
       mt::inference::check_sequence_length(config, static_cast<int64_t>(ids[i].size()) + a.max_new_tokens);
     } catch (const c10::Error& e) {
       MEGATORCH_FAIL("prompt ", i + 1, " (", ids[i].size(), " tokens): ", e.what_without_backtrace());
@@ -200,11 +210,6 @@ int run(const Args& a) {
 
   mt::inference::TextGenerator generator(
       stage->chunk(0), mt::inference::TextGeneratorOptions().pp_group(a.pp > 1 ? state->group_name(GroupKind::kPipeline) : ""));
-  const auto sampling = mt::inference::SamplingOptions()
-                            .greedy(!a.sample)
-                            .temperature(a.temperature)
-                            .top_k(a.top_k)
-                            .top_p(a.top_p);
   at::Generator rng = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(a.seed));
   std::ofstream out;
   if (rank0 && !a.output_json.empty()) {
