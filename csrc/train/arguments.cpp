@@ -2,9 +2,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/ckpt/gpt_checkpoint.h"
+#include "megatorch/data/preprocess.h"
+#include "megatorch/data/tokenizer_flags.h"
 
 namespace megatorch::train {
 
@@ -46,7 +50,17 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--normalization", a.normalization)->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
   app.add_flag("--swiglu", a.swiglu);
   app.add_flag("--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights);
-  app.add_option("--vocab-size", a.vocab_size, "vocabulary of byte-level or pre-tokenised data");
+  app.add_flag("--disable-bias-linear", a.disable_bias_linear, "no biases on the linear layers (Llama, Mistral, Qwen2)");
+  app.add_flag("--add-qkv-bias", a.add_qkv_bias, "biases on the QKV projection even with --disable-bias-linear (Qwen2)");
+  app.add_option("--rotary-base", a.rotary_base, "RoPE base (HF rope_theta)");
+  app.add_option("--rotary-percent", a.rotary_percent, "fraction of the head dimension RoPE rotates (only 1.0)");
+  app.add_option("--norm-epsilon", a.norm_epsilon, "epsilon of LayerNorm / RMSNorm");
+  app.add_option("--init-method-std", a.init_method_std, "standard deviation of the weights' normal initialisation");
+  app.add_option("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
+                 "pad the vocabulary to a multiple of this x TP size");
+  app.add_option("--vocab-size", a.vocab_size,
+                 "model vocabulary; 0: the tokenizer's (257 for ByteLevel; PreTokenized data needs it)");
+  megatorch::data::add_tokenizer_options(app, a.tokenizer);
   app.add_option("--hidden-dropout", a.hidden_dropout);
   app.add_option("--attention-dropout", a.attention_dropout);
   app.add_option("--recompute-granularity", a.recompute_granularity)->check(CLI::IsMember({"", "selective", "full"}));
@@ -78,6 +92,12 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--save", a.save);
   app.add_option("--load", a.load);
   app.add_option("--save-interval", a.save_interval);
+  app.add_flag("--use-checkpoint-args", a.use_checkpoint_args,
+               "take the model's shape from the checkpoint in --load (a disagreeing flag is an error)");
+  app.add_flag("--finetune", a.finetune,
+               "load the weights only: iteration 0, fresh optimizer, data from the start, RNG not restored");
+  app.add_flag("--no-load-optim", a.no_load_optim, "do not load the optimizer state (nor the loss scaler)");
+  app.add_flag("--no-load-rng", a.no_load_rng, "do not restore the random generators' states");
   // Evaluation and logging
   app.add_option("--eval-interval", a.eval_interval);
   app.add_option("--eval-iters", a.eval_iters);
@@ -96,7 +116,83 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
     MEGATORCH_FAIL("gpt_pretrain: ", e.what(), " (run with --help for the flags)");
   }
   if (schedule->count() == 0 && a.num_layers_per_virtual_pipeline_stage > 0) a.schedule = "interleaved";
+  for (const CLI::Option* o : app.get_options()) {
+    if (o->count() > 0 && !o->get_lnames().empty()) a.given.insert(o->get_lnames().front());
+  }
   return a;
+}
+
+namespace {
+
+// One model field of --use-checkpoint-args: the checkpoint's value unless the flag was
+// given with another.
+template <class T>
+void take_from_checkpoint(TrainArguments& a, const char* flag, T& field, const T& value) {
+  if (a.given.count(flag) && field != value) {
+    std::ostringstream given, saved;
+    given << field;
+    saved << value;
+    MEGATORCH_FAIL("gpt_pretrain: --", flag, " ", given.str(), " disagrees with the checkpoint in ", a.load, " (", saved.str(),
+                   ") under --use-checkpoint-args; drop the flag to train the checkpoint's model, or drop "
+                   "--use-checkpoint-args to train another");
+  }
+  field = value;
+}
+
+}  // namespace
+
+void apply_checkpoint_args(TrainArguments& a, const nlohmann::json& model_config) {
+  // Through the checkpoint reader, so its defaults (fields older checkpoints lack) apply.
+  const auto c = ckpt::gpt_config_from_json(model_config);
+  take_from_checkpoint(a, "num-layers", a.num_layers, c.num_layers());
+  take_from_checkpoint(a, "hidden-size", a.hidden_size, c.hidden_size());
+  take_from_checkpoint(a, "ffn-hidden-size", a.ffn_hidden_size, c.ffn());
+  take_from_checkpoint(a, "num-attention-heads", a.num_attention_heads, c.num_attention_heads());
+  bool gqa = c.query_groups() != c.num_attention_heads();
+  take_from_checkpoint(a, "group-query-attention", a.group_query_attention, gqa);
+  int64_t groups = gqa ? c.query_groups() : 0;
+  take_from_checkpoint(a, "num-query-groups", a.num_query_groups, groups);
+  take_from_checkpoint(a, "vocab-size", a.vocab_size, c.vocab_size());
+  take_from_checkpoint(a, "make-vocab-size-divisible-by", a.make_vocab_size_divisible_by, c.make_vocab_size_divisible_by());
+  std::string norm = transformer::to_string(c.normalization()), pos = transformer::to_string(c.position_embedding_type());
+  take_from_checkpoint(a, "normalization", a.normalization, norm);
+  take_from_checkpoint(a, "position-embedding-type", a.position_embedding_type, pos);
+  bool swiglu = c.activation() == transformer::Activation::kSwiGLU;
+  take_from_checkpoint(a, "swiglu", a.swiglu, swiglu);
+  bool untie = !c.tie_embeddings(), no_bias = !c.add_bias_linear(), qkv_bias = c.add_qkv_bias();
+  take_from_checkpoint(a, "untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights, untie);
+  take_from_checkpoint(a, "disable-bias-linear", a.disable_bias_linear, no_bias);
+  take_from_checkpoint(a, "add-qkv-bias", a.add_qkv_bias, qkv_bias);
+  take_from_checkpoint(a, "norm-epsilon", a.norm_epsilon, c.norm_epsilon());
+  take_from_checkpoint(a, "rotary-base", a.rotary_base, c.rotary_base());
+  take_from_checkpoint(a, "init-method-std", a.init_method_std, c.init_std());
+  // Learned positions size a parameter; with RoPE max positions only bounds generation.
+  if (c.position_embedding_type() == transformer::Positions::kLearned) {
+    take_from_checkpoint(a, "max-position-embeddings", a.max_position_embeddings, c.max_positions());
+  } else if (!a.given.count("max-position-embeddings")) {
+    a.max_position_embeddings = c.max_positions();
+  }
+  a.sliding_window = c.sliding_window();
+  if (!a.given.count("seq-length")) a.seq_length = c.seq_length();
+}
+
+int64_t resolve_vocab_size(TrainArguments& a) {
+  const auto& t = a.tokenizer;
+  const bool library = t.tokenizer_type() != "ByteLevel" && t.tokenizer_type() != "PreTokenized";
+  if (!library) {
+    if (t.tokenizer_type() == "ByteLevel" && a.vocab_size == 0) a.vocab_size = data::kByteLevelVocabSize;
+    MEGATORCH_CHECK(a.vocab_size > 0, "gpt_pretrain: --tokenizer-type PreTokenized needs --vocab-size (the ids' "
+                    "vocabulary), got ", a.vocab_size);
+    return t.tokenizer_type() == "ByteLevel" ? data::kByteLevelEod : t.eod_id();
+  }
+  const auto tokenizer = data::build_tokenizer(t);
+  const int64_t need = tokenizer->vocab_size();
+  if (a.vocab_size == 0) a.vocab_size = need;
+  // A model may have more rows than its tokenizer has ids (HF checkpoints often do), never fewer.
+  MEGATORCH_CHECK(a.vocab_size >= need, "gpt_pretrain: the model's vocabulary (", a.vocab_size,
+                  a.use_checkpoint_args ? ", from the checkpoint" : ", --vocab-size", ") is smaller than the ",
+                  tokenizer->name(), " tokenizer's ", need, " ids; use the tokenizer the model was trained with");
+  return tokenizer->eod();
 }
 
 void validate(TrainArguments& a, int64_t world) {
@@ -105,6 +201,11 @@ void validate(TrainArguments& a, int64_t world) {
                   tp, " x ", pp, " = ", tp * pp, ") to divide the world size ", world,
                   "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
   a.world_size = world;
+  MEGATORCH_CHECK(a.rotary_percent == 1.0, "gpt_pretrain: --rotary-percent ", a.rotary_percent,
+                  " is not supported: megatorch's RoPE rotates the whole head (1.0)");
+  MEGATORCH_CHECK(!a.use_checkpoint_args || !a.load.empty(), "gpt_pretrain: --use-checkpoint-args needs --load DIR");
+  MEGATORCH_CHECK(!a.finetune || !a.load.empty(), "gpt_pretrain: --finetune needs --load DIR (the weights to start from)");
+  MEGATORCH_CHECK(a.vocab_size >= 1, "gpt_pretrain: expected --vocab-size >= 1, got ", a.vocab_size);
   a.data_parallel_size = world / (tp * pp);
   const int64_t dp = a.data_parallel_size;
   MEGATORCH_CHECK(a.distributed_timeout_minutes >= 0, "gpt_pretrain: expected --distributed-timeout-minutes >= 0, got ",
@@ -171,6 +272,13 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .seq_length(a.seq_length)
       .max_position_embeddings(a.max_position_embeddings)
       .vocab_size(a.vocab_size)
+      .make_vocab_size_divisible_by(a.make_vocab_size_divisible_by)
+      .norm_epsilon(a.norm_epsilon)
+      .rotary_base(a.rotary_base)
+      .init_std(a.init_method_std)
+      .add_bias_linear(!a.disable_bias_linear)
+      .add_qkv_bias(a.add_qkv_bias)
+      .sliding_window(a.sliding_window)
       .normalization(a.normalization == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm)
       .activation(a.swiglu ? Activation::kSwiGLU : Activation::kGeluTanh)
       .position_embedding_type(a.position_embedding_type == "rope" ? Positions::kRope : Positions::kLearned)

@@ -60,6 +60,12 @@ std::string human(double bytes) {
 
 Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   const auto env = parallel::LaunchEnv::from_environment();
+  if (args_.use_checkpoint_args) {
+    MEGATORCH_CHECK(!args_.load.empty() && ckpt::latest_iteration(args_.load) >= 0, "gpt_pretrain: --use-checkpoint-args "
+                    "needs a checkpoint in --load, found none in '", args_.load, "'");
+    apply_checkpoint_args(args_, ckpt::read_metadata(args_.load).at("model_config"));
+  }
+  eod_ = resolve_vocab_size(args_);
   validate(args_, env.world_size);
   // The device is chosen (and a launch that cannot work refused, on every rank) before
   // anything connects.
@@ -147,6 +153,10 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
                 "valid %ld\n",
                 args_.global_batch_size, args_.micro_batch_size, args_.num_micro_batches, args_.data_parallel_size,
                 data_.train->size(), data_.valid->size());
+    std::printf("[megatorch] tokenizer %s: vocabulary %ld (padded to %ld), end of document %ld\n",
+                args_.tokenizer.tokenizer_type().c_str(), args_.vocab_size,
+                tp::padded_vocab_size(args_.vocab_size, args_.tensor_model_parallel_size, args_.make_vocab_size_divisible_by),
+                eod_);
     std::fflush(stdout);
     // A resumed run appends to the log of the run it continues.
     if (!args_.log_json.empty()) json_.open(args_.log_json, iteration_ > 0 ? std::ios::app : std::ios::trunc);
@@ -422,8 +432,11 @@ bool Trainer::load_checkpoint() {
     return false;
   }
   const auto meta = ckpt::read_metadata(args_.load);
-  bool has_optimizer = false;
-  for (const auto& t : meta.at("tensors").items()) has_optimizer |= t.key().rfind("optim/", 0) == 0;
+  bool saved_optimizer = false;
+  for (const auto& t : meta.at("tensors").items()) saved_optimizer |= t.key().rfind("optim/", 0) == 0;
+  // Megatron's --finetune: the weights only, as if they had been initialised so.
+  const bool has_optimizer = saved_optimizer && !args_.finetune && !args_.no_load_optim;
+  const bool load_rng = !args_.finetune && !args_.no_load_rng;
   auto entries = checkpoint_entries();
   if (!has_optimizer) {
     entries.erase(std::remove_if(entries.begin(), entries.end(),
@@ -441,12 +454,16 @@ bool Trainer::load_checkpoint() {
   }
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
   const auto& st = loaded.state.state;
-  iteration_ = st.value("iteration", int64_t{0});
-  if (has_optimizer) optimizer_->set_step_count(st.value("optimizer_step", iteration_));
-  lr_step_ = st.value("lr_step", iteration_);
-  if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
+  if (!args_.finetune) {
+    iteration_ = st.value("iteration", int64_t{0});
+    lr_step_ = st.value("lr_step", iteration_);
+  }
+  if (has_optimizer) {
+    optimizer_->set_step_count(st.value("optimizer_step", iteration_));
+    if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
+  }
   const auto& rank_state = loaded.state.rank_state;  // null unless the layout is the same
-  if (!rank_state.is_null() && rank_state.contains("cpu_rng")) {
+  if (load_rng && !rank_state.is_null() && rank_state.contains("cpu_rng")) {
     tp::set_default_generator_state(c10::kCPU, state_tensor(rank_state.at("cpu_rng")));
     // A run saved on another kind of device has no state for this one: its masks restart.
     if (state_->device().is_cuda() && rank_state.contains("cuda_rng")) {
@@ -462,8 +479,11 @@ bool Trainer::load_checkpoint() {
     }
   }
   if (is_logging_rank()) {
-    std::printf("[megatorch] loaded checkpoint %s (iteration %ld, saved by %ld ranks)%s\n", loaded.path.c_str(),
-                iteration_, loaded.world_size, has_optimizer ? "" : " without optimizer state");
+    std::printf("[megatorch] loaded checkpoint %s (iteration %ld, saved by %ld ranks)%s%s\n", loaded.path.c_str(),
+                st.value("iteration", int64_t{0}), loaded.world_size,
+                args_.finetune ? ": weights only (--finetune), starting at iteration 0"
+                : has_optimizer ? "" : " without optimizer state",
+                !args_.finetune && !load_rng ? ", random generators not restored" : "");
     std::fflush(stdout);
   }
   return true;

@@ -6,6 +6,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "megatorch/data/tokenizer.h"
 #include "megatorch/transformer/config.h"
 
 namespace megatorch::train {
@@ -36,7 +40,16 @@ struct TrainArguments {
   std::string normalization = "LayerNorm";                   // LayerNorm | RMSNorm
   bool swiglu = false;
   bool untie_embeddings_and_output_weights = false;
-  int64_t vocab_size = 257;  // byte-level tokenizer: 256 bytes + end of document
+  bool disable_bias_linear = false;  // no biases on the linear layers (Llama, Mistral, Qwen2)
+  bool add_qkv_bias = false;         // biases on the QKV projection even so (Qwen2)
+  double rotary_base = 10000.0;
+  double rotary_percent = 1.0;  // only 1.0: RoPE over the whole head
+  double norm_epsilon = 1e-5;
+  double init_method_std = 0.02;
+  int64_t make_vocab_size_divisible_by = 128;
+  int64_t sliding_window = 0;  // from a checkpoint (Mistral) with --use-checkpoint-args; 0: none
+  int64_t vocab_size = 0;      // 0: the tokenizer's (257 for ByteLevel); else that many ids
+  data::TokenizerOptions tokenizer;
   double hidden_dropout = 0.0;
   double attention_dropout = 0.0;
   std::string recompute_granularity;  // "" | selective | full
@@ -68,6 +81,10 @@ struct TrainArguments {
   std::string save;
   std::string load;
   int64_t save_interval = 0;
+  bool use_checkpoint_args = false;  // the model's shape from --load's checkpoint
+  bool finetune = false;             // weights only: iteration 0, fresh optimizer, data and RNG
+  bool no_load_optim = false;
+  bool no_load_rng = false;
   // Evaluation and logging
   int64_t eval_interval = 0;  // 0: only at the end
   int64_t eval_iters = 4;
@@ -76,6 +93,10 @@ struct TrainArguments {
   int64_t log_interval = 1;
   std::string log_json;
   std::string timeline;
+
+  // The flags given on the command line (long names without "--"): a flag given there
+  // that disagrees with the checkpoint under --use-checkpoint-args is an error.
+  std::set<std::string> given;
 
   // Derived by validate()
   int64_t world_size = 1;
@@ -87,6 +108,17 @@ struct TrainArguments {
 // Parses argv (CLI11). Throws c10::Error with CLI11's message on unknown flags or bad
 // values; `--help` prints the usage and returns with `help_printed` set.
 TrainArguments parse_arguments(int argc, char** argv, bool* help_printed = nullptr);
+
+// --use-checkpoint-args: the model fields of a checkpoint's model_config (as
+// ckpt::gpt_config_json writes it) replace the defaults; a flag given on the command line
+// that disagrees is an error naming both values. --seq-length given wins (it is not a
+// shape: an imported model's max positions are usually far beyond what one trains at).
+void apply_checkpoint_args(TrainArguments& args, const nlohmann::json& model_config);
+
+// The model's vocabulary from --vocab-size, the tokenizer (--tokenizer-type ...) or the
+// checkpoint, checked against each other; returns the tokenizer's end-of-document id
+// (-1 when no tokenizer is involved).
+int64_t resolve_vocab_size(TrainArguments& args);
 
 // Checks what only makes sense together (tp·pp dividing the world, the global batch,
 // layers over stages, fp16 vs bf16, ...) and fills in the derived fields. Throws with one

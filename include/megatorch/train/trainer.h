@@ -74,6 +74,7 @@ class Trainer {
   std::unique_ptr<MicroBatchLoader> train_batches_;
   LRSchedule lr_;
   int64_t iteration_ = 0;
+  int64_t eod_ = -1;  // the tokenizer's end-of-document id (logged)
   int64_t lr_step_ = 0;  // iterations whose update was applied: the LR schedule's clock, as Megatron's
   int64_t num_parameters_ = 0;  // whole model, each parameter once
   double flops_per_token_ = 0;
