@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main command: setup, build, then GPT pretraining on the bundled data with
-# TP=2 x PP=2 on 4 CPU ranks under torchrun (a few minutes on 2 cores). Writes the JSON
-# log, the loss plot and one iteration's pipeline timeline under runs/demo/ (or
+# TP=2 x PP=2 on 4 CPU ranks under torchrun (a few minutes on 2 cores), then a few lines
+# generated from the trained checkpoint at the same layout. Writes the JSON log, the loss
+# plot, one iteration's pipeline timeline and the generations under runs/demo/ (or
 # $MEGATORCH_DEMO_DIR). Extra arguments go to gpt_pretrain (CLI11: a flag given twice is
 # an error, so override only flags not listed below).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -30,7 +31,17 @@ start=$(date +%s)
   "${flags[@]}" "$@"
 "$(mt_python)" "$MT_ROOT/scripts/plot_log.py" "$out/log.json" "$out/loss.png"
 mt_log "trained in $(( $(date +%s) - start )) s"
+# Text from the checkpoint just saved (ByteLevel: the bytes the model was trained on),
+# sampled with a fixed seed: the same lines at any TP x PP layout.
+gen=(--load "$out/checkpoint" --device "${MEGATORCH_DEMO_DEVICE:-cpu}"
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+  --prompt "The list type" --prompt "def read(" --prompt "Return a new"
+  --max-new-tokens 48 --temperature 0.7 --top-k 40 --seed 1234 --output-json "$out/generated.jsonl")
+mt_log "torchrun --nproc-per-node=4 build/bin/megatorch-generate ${gen[*]}"
+"$(mt_python)" -m torch.distributed.run --standalone --nproc-per-node=4 --no-python "$MT_BUILD/bin/megatorch-generate" \
+  "${gen[@]}"
 mt_log "JSON log:          $out/log.json"
 mt_log "loss plot:         $out/loss.png"
 mt_log "pipeline timeline: $out/timeline.svg"
 mt_log "checkpoint:        $out/checkpoint (resume with --load; megatorch-hf export for HuggingFace)"
+mt_log "generations:       $out/generated.jsonl (megatorch-generate; docs/inference.md)"
