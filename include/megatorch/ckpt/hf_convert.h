@@ -29,10 +29,11 @@ bool hf_arch_holds(HFArch arch, const transformer::TransformerConfig& config);
 // import recorded) when it holds the configuration, else the first of GPT-2, Llama, Qwen2,
 // Mistral that does; an error naming what no architecture has.
 HFArch hf_arch_of(const transformer::TransformerConfig& config, const std::string& preferred = "");
-// config.json <-> TransformerConfig (unsupported options are errors that name them).
-transformer::TransformerConfig config_from_hf(const nlohmann::json& hf_config);
-// Sliding windows: the import keeps the window and takes seq_length = min(max_position_embeddings,
+// config.json -> TransformerConfig (options it cannot honour are errors that name them).
+// Sliding windows: the window is kept and seq_length = min(max_position_embeddings,
 // sliding_window); TransformerConfig::validate refuses any use with seq_length > sliding_window.
+transformer::TransformerConfig config_from_hf(const nlohmann::json& hf_config);
+// TransformerConfig -> config.json of `arch` (an error when hf_arch_holds(arch, config) is false).
 nlohmann::json hf_config_from(const transformer::TransformerConfig& config, HFArch arch);
 
 // Whole tensors: megatorch's single-model names ("embedding.weight" [V, h] without
