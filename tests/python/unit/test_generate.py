@@ -2,8 +2,9 @@
 
 Tiny randomly initialised ``transformers`` models (GPT2LMHeadModel; LlamaForCausalLM with GQA
 and rope_theta 500) imported with megatorch-hf: greedy output equals transformers'
-``generate(do_sample=False)`` token for token at TP1, TP2 and (Llama) PP2; seeded sampling
-repeats across runs and TP sizes; bad launches and prompts fail with clear messages.
+``generate(do_sample=False)`` token for token at TP1, TP2, PP2 and (GPT-2, tied embedding)
+TP2 x PP2; seeded sampling repeats across runs, TP and PP sizes; bad launches and prompts
+fail with clear messages.
 """
 import json
 import os
@@ -80,7 +81,8 @@ def hf_greedy(model, prompt):
     return out[0, len(prompt):].tolist()
 
 
-LAYOUTS = [("gpt2", 1, 1), ("gpt2", 2, 1), ("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2)]
+# GPT-2 at TP2 x PP2 also has its tied embedding's copy on the last stage.
+LAYOUTS = [("gpt2", 1, 1), ("gpt2", 2, 1), ("gpt2", 2, 2), ("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2)]
 
 
 @pytest.mark.parametrize("arch, tp, pp", LAYOUTS)
@@ -116,17 +118,18 @@ def test_text_prompt_and_eod(models, tmp_path):
     assert "text" not in got  # ids only
 
 
-def test_sampling_repeats_across_runs_and_tp(models, tmp_path):
+def test_sampling_repeats_across_runs_and_layouts(models, tmp_path):
     _, ckpt, prompts = models["llama"]
     flags = ["--load", ckpt, "--prompts-file", prompts, "--max-new-tokens", 12, "--temperature", 0.8, "--top-k", 50,
              "--top-p", 0.9, "--ignore-eod"]
     runs = {}
-    for name, seed, tp in [("a", 7, 1), ("b", 7, 1), ("tp2", 7, 2), ("other_seed", 8, 1)]:
+    for name, seed, tp, pp in [("a", 7, 1, 1), ("b", 7, 1, 1), ("tp2", 7, 2, 1), ("pp2", 7, 1, 2), ("other_seed", 8, 1, 1)]:
         out = tmp_path / f"{name}.jsonl"
-        r = generate([*flags, "--seed", seed, "--tensor-model-parallel-size", tp, "--output-json", out], nproc=tp)
+        r = generate([*flags, "--seed", seed, "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+                      "--output-json", out], nproc=tp * pp)
         assert "sampling" in r.stdout
         runs[name] = [line["generated_ids"] for line in read_lines(out)]
-    assert runs["a"] == runs["b"] == runs["tp2"]
+    assert runs["a"] == runs["b"] == runs["tp2"] == runs["pp2"]
     assert runs["a"] != runs["other_seed"]
     assert all(0 <= t < VOCAB for ids in runs["a"] for t in ids)
 
