@@ -157,7 +157,7 @@ class PythonTokenizer final : public Tokenizer {
     if (child_.pid > 0 && waitpid(child_.pid, &status, 0) == child_.pid) how = describe_status(status);
     child_.pid = -1;
     MEGATORCH_FAIL(type_, ": the tokenizer process (", python_, " ", script_, ") ", how, " ", when,
-                   "; its error output is above. Check that ", python_,
+                   " (any error it printed is above); check that ", python_,
                    " runs and has the tokenizers/transformers/sentencepiece packages, or set MEGATORCH_PYTHON");
   }
 
