@@ -154,5 +154,8 @@ def test_bad_inputs_fail_clearly(models, tmp_path):
     bad_line.write_text('{"prompt": "x"}\n')
     r = generate(["--load", ckpt, "--prompts-file", bad_line], check=False)
     assert r.returncode == 1 and 'bad_line.jsonl:1: expected {"text": "..."} or {"ids": [...]}' in r.stderr
+    # Read on rank 0 only: the other rank stops too instead of waiting for the prompts.
+    r = generate(["--load", ckpt, "--prompts-file", bad_line, "--tensor-model-parallel-size", 2], nproc=2, check=False)
+    assert r.returncode != 0 and "rank 0 could not read the prompts" in r.stderr and "bad_line.jsonl:1" in r.stderr
     r = generate(["--load", ckpt, "--prompts-file", prompts, "--temperature", 0], check=False)
     assert r.returncode == 1 and "--temperature > 0" in r.stderr
