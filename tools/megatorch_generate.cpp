@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -212,12 +213,18 @@ int run(const Args& a) {
   mt::inference::TextGenerator generator(
       stage->chunk(0), mt::inference::TextGeneratorOptions().pp_group(a.pp > 1 ? state->group_name(GroupKind::kPipeline) : ""));
   at::Generator rng = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(a.seed));
+  // Each prompt starts from --seed: its continuation does not depend on the other prompts.
+  auto reseed = [&] {
+    std::lock_guard<std::mutex> lock(rng.mutex());
+    rng.set_current_seed(static_cast<uint64_t>(a.seed));
+  };
   std::ofstream out;
   if (rank0 && !a.output_json.empty()) {
     out.open(a.output_json);
     MEGATORCH_CHECK(out.good(), "megatorch-generate: cannot write --output-json '", a.output_json, "'");
   }
   for (size_t i = 0; i < ids.size(); ++i) {
+    reseed();
     const auto generated = generator.generate(
         ids[i], mt::inference::GenerationOptions().max_new_tokens(a.max_new_tokens).sampling(sampling).stop_token(stop),
         rng);

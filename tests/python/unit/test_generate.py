@@ -120,16 +120,20 @@ def test_text_prompt_and_eod(models, tmp_path):
 
 def test_sampling_repeats_across_runs_and_layouts(models, tmp_path):
     _, ckpt, prompts = models["llama"]
-    flags = ["--load", ckpt, "--prompts-file", prompts, "--max-new-tokens", 12, "--temperature", 0.8, "--top-k", 50,
-             "--top-p", 0.9, "--ignore-eod"]
+    flags = ["--load", ckpt, "--max-new-tokens", 12, "--temperature", 0.8, "--top-k", 50, "--top-p", 0.9, "--ignore-eod"]
     runs = {}
     for name, seed, tp, pp in [("a", 7, 1, 1), ("b", 7, 1, 1), ("tp2", 7, 2, 1), ("pp2", 7, 1, 2), ("other_seed", 8, 1, 1)]:
         out = tmp_path / f"{name}.jsonl"
-        r = generate([*flags, "--seed", seed, "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
-                      "--output-json", out], nproc=tp * pp)
+        r = generate([*flags, "--prompts-file", prompts, "--seed", seed, "--tensor-model-parallel-size", tp,
+                      "--pipeline-model-parallel-size", pp, "--output-json", out], nproc=tp * pp)
         assert "sampling" in r.stdout
         runs[name] = [line["generated_ids"] for line in read_lines(out)]
     assert runs["a"] == runs["b"] == runs["tp2"] == runs["pp2"]
+    # Each prompt starts from the seed: alone, the last prompt continues as it did third.
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(json.dumps({"ids": PROMPTS[2]}) + "\n")
+    generate([*flags, "--seed", 7, "--prompts-file", alone, "--output-json", tmp_path / "alone_out.jsonl"])
+    assert read_lines(tmp_path / "alone_out.jsonl")[0]["generated_ids"] == runs["a"][2]
     assert runs["a"] != runs["other_seed"]
     assert all(0 <= t < VOCAB for ids in runs["a"] for t in ids)
 
