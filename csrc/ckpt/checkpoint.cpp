@@ -227,7 +227,11 @@ fs::path resolve_iteration_dir(const fs::path& dir, int64_t& iteration) {
 std::string config_differences(const json& have, const json& want) {
   std::string out;
   for (const auto& [k, v] : want.items()) {
-    const json h = have.is_object() && have.contains(k) ? have.at(k) : json();
+    const bool saved = have.is_object() && have.contains(k);
+    // A field added after the checkpoint was written: its absence means the old default
+    // (off / 0), so older checkpoints keep loading into models that leave it so.
+    if (!saved && (v == false || v == 0)) continue;
+    const json h = saved ? have.at(k) : json();
     if (h != v) out += (out.empty() ? "" : "; ") + k + ": checkpoint " + h.dump() + ", model " + v.dump();
   }
   return out;

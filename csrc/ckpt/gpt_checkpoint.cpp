@@ -94,6 +94,9 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   j["make_vocab_size_divisible_by"] = c.make_vocab_size_divisible_by();
   j["init_std"] = c.init_std();
   j["sliding_window"] = c.sliding_window();
+  // With RoPE no parameter has the max positions' size (so the shape JSON says 0), but
+  // they bound generation and go back into an exported HF config.
+  j["max_positions"] = c.max_positions();
   return j;
 }
 
@@ -132,6 +135,9 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
         .position_embedding_type(pos == "rope" ? Positions::kRope : Positions::kLearned);
     if (j.value("max_position_embeddings", int64_t{0}) > 0) c.max_position_embeddings(j.at("max_position_embeddings").get<int64_t>());
     if (j.contains("seq_length")) c.seq_length(j.at("seq_length").get<int64_t>());
+    if (j.contains("max_positions") && c.position_embedding_type() == Positions::kRope) {
+      c.max_position_embeddings(j.at("max_positions").get<int64_t>());
+    }
     if (j.contains("norm_epsilon")) c.norm_epsilon(j.at("norm_epsilon").get<double>());
     if (j.contains("rotary_base")) c.rotary_base(j.at("rotary_base").get<double>());
     if (j.contains("make_vocab_size_divisible_by")) c.make_vocab_size_divisible_by(j.at("make_vocab_size_divisible_by").get<int64_t>());

@@ -258,6 +258,7 @@ TransformerConfig config_from_hf(const json& h) {
       .ffn_hidden_size(h.at("intermediate_size").get<int64_t>())
       // The window is kept; sequences stay within it (validate() refuses longer ones).
       .seq_length(window > 0 ? std::min(positions, window) : positions)
+      .max_position_embeddings(positions)
       .sliding_window(window)
       .norm_epsilon(get_or<double>(h, "rms_norm_eps", 1e-6))
       .rotary_base(theta)
@@ -295,7 +296,7 @@ json hf_config_from(const TransformerConfig& c, HFArch arch) {
             {"num_attention_heads", c.num_attention_heads()},
             {"num_key_value_heads", c.query_groups()},
             {"head_dim", c.head_dim()},
-            {"max_position_embeddings", c.seq_length()},
+            {"max_position_embeddings", c.max_positions()},
             {"rms_norm_eps", c.norm_epsilon()},
             {"rope_theta", c.rotary_base()},
             {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rotary_base()}}},

@@ -60,10 +60,15 @@ std::string human(double bytes) {
 
 Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   const auto env = parallel::LaunchEnv::from_environment();
-  if (args_.use_checkpoint_args) {
-    MEGATORCH_CHECK(!args_.load.empty() && ckpt::latest_iteration(args_.load) >= 0, "gpt_pretrain: --use-checkpoint-args "
-                    "needs a checkpoint in --load, found none in '", args_.load, "'");
-    apply_checkpoint_args(args_, ckpt::read_metadata(args_.load).at("model_config"));
+  const bool has_checkpoint = !args_.load.empty() && ckpt::latest_iteration(args_.load) >= 0;
+  MEGATORCH_CHECK(!args_.use_checkpoint_args || has_checkpoint, "gpt_pretrain: --use-checkpoint-args needs a checkpoint "
+                  "in --load, found none in '", args_.load, "'");
+  if (has_checkpoint) {
+    const auto saved = ckpt::read_metadata(args_.load).at("model_config");
+    if (args_.use_checkpoint_args) apply_checkpoint_args(args_, saved);
+    // Not a shape (loading does not compare it) but a property of the model: a Mistral's
+    // window bounds the sequences it may train on (validate() refuses longer ones).
+    args_.sliding_window = saved.value("sliding_window", int64_t{0});
   }
   eod_ = resolve_vocab_size(args_);
   validate(args_, env.world_size);

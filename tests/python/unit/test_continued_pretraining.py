@@ -18,10 +18,18 @@ import megatorch.cpp as mt
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", ROOT / "build" / "bin"))
-DATA = ROOT / "data" / "default" / "stdlib_docs_text_document"
-VOCAB = 301  # odd, above the byte-level data's 257 ids, padded to 512 at TP2
-TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--lr-warmup-iters", "0", "--data-path", str(DATA), "--eval-iters", "1", "--seed", "5",
-         "--tokenizer-type", "ByteLevel"]
+# The shipped BPE tokenizer (4096 ids) and the bundled data tokenized with it.
+TOKENIZER = ROOT / "data" / "tokenizers" / "default-bpe"
+DATA = ROOT / "data" / "default" / "stdlib_docs_bpe_text_document"
+VOCAB = 4097  # odd: one row more than the tokenizer has ids, padded to 4352 at TP2
+TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+         "--lr-warmup-iters", "0", "--data-path", str(DATA), "--eval-iters", "1", "--seed", "5",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(TOKENIZER)]
+
+
+# A from-scratch model on the byte-level data (vocabulary 257 from the tokenizer type).
+BYTE_LEVEL = [*TRAIN[:TRAIN.index("--data-path")], "--data-path", str(ROOT / "data" / "default" / "stdlib_docs_text_document"),
+              "--eval-iters", "1", "--seed", "5"]
 
 
 def run(cmd, timeout=600):
@@ -75,8 +83,9 @@ def test_import_finetune_at_tp2_pp2_export(imported, tmp_path):
     out = run([BIN / "megatorch-hf", "export", "--load", tmp_path / "tp2pp2", "--hf-dir", tmp_path / "out"])
     assert out.returncode == 0, out.stdout + out.stderr
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (saved["vocab_size"], saved["num_key_value_heads"], saved["rope_theta"], saved["rms_norm_eps"]) == \
-        (VOCAB, 2, 500000.0, 1e-5)
+    # max_position_embeddings survives training at --seq-length 32 (RoPE: no parameter holds it).
+    assert (saved["vocab_size"], saved["num_key_value_heads"], saved["rope_theta"], saved["rms_norm_eps"],
+            saved["max_position_embeddings"]) == (VOCAB, 2, 500000.0, 1e-5, 64)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
     model = mt.GPTModel(mt.checkpoint_config(str(tmp_path / "tp2pp2")).replace(seed=99))
     assert mt.load_checkpoint(model, str(tmp_path / "tp2pp2")) == 3
@@ -91,7 +100,7 @@ def test_import_finetune_at_tp2_pp2_export(imported, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--hidden-size", "64"], "--hidden-size 64 disagrees with the checkpoint"),
     (["--disable-bias-linear"], None),  # agrees with the Llama checkpoint: accepted
-    (["--vocab-size", "300"], "--vocab-size 300 disagrees with the checkpoint"),
+    (["--vocab-size", "4099"], "--vocab-size 4099 disagrees with the checkpoint"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5 is not supported"),
 ])
 def test_checkpoint_args_disagreeing_flag_is_an_error(imported, tmp_path, flags, message):
@@ -110,7 +119,7 @@ def test_resume_without_optimizer_or_rng_state(tmp_path):
     loss before the first resumed step is the uninterrupted run's, the next one is not);
     --no-load-rng keeps everything but the generators (dropout draws other masks)."""
     model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--hidden-dropout", "0.1",
-             "--train-iters", "4", *TRAIN]
+             "--train-iters", "4", *BYTE_LEVEL]
     full = tmp_path / "full.json"
     out = pretrain(1, [*model, "--save", tmp_path / "ckpt", "--save-interval", "2", "--log-json", full])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -127,3 +136,28 @@ def test_resume_without_optimizer_or_rng_state(tmp_path):
     assert (got["resume"][3], got["resume"][4]) == (want[3], want[4])  # bit for bit
     assert got["no_optim"][3] == want[3] and got["no_optim"][4] != pytest.approx(want[4], rel=1e-6)
     assert got["no_rng"][3] != pytest.approx(want[3], rel=1e-6)
+
+
+def test_model_vocabulary_smaller_than_the_tokenizer_is_an_error():
+    out = pretrain(1, [*TRAIN, "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                       "--vocab-size", "1000", "--train-iters", "1"])
+    assert out.returncode != 0
+    assert "smaller than the HuggingFaceTokenizer tokenizer's 4096 ids" in out.stderr, out.stderr[-3000:]
+
+
+def test_checkpoint_from_before_the_qkv_bias_and_window_fields_loads(tmp_path):
+    """Fields added to the model config later (add_qkv_bias, sliding_window, max_positions)
+    are absent from older checkpoints: absent means off, so those still load; a
+    checkpoint that says a field is on does not load into a model without it."""
+    fields = dict(hidden_size=32, num_attention_heads=4, num_layers=1, seq_length=8, vocab_size=64)
+    mt.save_checkpoint(mt.GPTModel(mt.TransformerConfig(**fields)), str(tmp_path / "ckpt"), 0)
+    meta = tmp_path / "ckpt" / "iter_0000000" / "metadata.json"
+    data = json.loads(meta.read_text())
+    for key in ("add_qkv_bias", "sliding_window", "max_positions"):
+        del data["model_config"][key]
+    meta.write_text(json.dumps(data))
+    assert mt.load_checkpoint(mt.GPTModel(mt.TransformerConfig(**fields)), str(tmp_path / "ckpt")) == 0
+    data["model_config"]["add_qkv_bias"] = True
+    meta.write_text(json.dumps(data))
+    with pytest.raises(RuntimeError, match="add_qkv_bias: checkpoint true, model false"):
+        mt.load_checkpoint(mt.GPTModel(mt.TransformerConfig(**fields)), str(tmp_path / "ckpt"))
