@@ -1,10 +1,10 @@
 """build/bin/megatorch-generate (include/megatorch/inference/): text generation with a KV cache.
 
 Tiny randomly initialised ``transformers`` models (GPT2LMHeadModel; LlamaForCausalLM with GQA
-and rope_theta 500) imported with megatorch-hf: greedy output equals transformers'
-``generate(do_sample=False)`` token for token at TP1, TP2, PP2 and (GPT-2, tied embedding)
-TP2 x PP2; seeded sampling repeats across runs, TP and PP sizes; bad launches and prompts
-fail with clear messages.
+and rope_theta 500; Qwen2 with q/k/v biases; Mistral with a sliding window) imported with
+megatorch-hf: greedy output equals transformers' ``generate(do_sample=False)`` token for
+token at TP1, TP2, PP2 and (GPT-2, tied embedding) TP2 x PP2; seeded sampling repeats across
+runs, TP and PP sizes; bad launches and prompts fail with clear messages.
 """
 import json
 import os
@@ -19,7 +19,7 @@ import transformers  # a requirement (requirements.txt): missing, this test fail
 
 BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", Path(__file__).resolve().parents[3] / "build" / "bin"))
 GENERATE = str(BIN / "megatorch-generate")
-VOCAB, POSITIONS, NEW = 200, 32, 8
+VOCAB, POSITIONS, WINDOW, NEW = 200, 32, 16, 8
 PROMPTS = [[5, 17, 99], [1, 2, 3, 4, 5, 6, 7], [42]]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60")
 
@@ -42,10 +42,16 @@ def hf_model(arch):
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=POSITIONS, rms_norm_eps=1e-6, rope_theta=500.0)
-        model = transformers.LlamaForCausalLM(config)
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=POSITIONS, rms_norm_eps=1e-6, rope_theta=500.0)
+        if arch == "qwen2":  # q/k/v biases, tied head
+            fields.update(tie_word_embeddings=True)
+        if arch == "mistral":  # a window of WINDOW tokens (the import caps seq_length at it)
+            fields.update(max_position_embeddings=4 * POSITIONS, sliding_window=WINDOW)
+        config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "mistral": transformers.MistralConfig}[arch](**fields)
+        model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[arch](config)
     with torch.no_grad():  # large random weights: peaked logits, no argmax ties, every tensor matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -60,7 +66,7 @@ def models(tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"ids": p}) + "\n" for p in PROMPTS))
     out = {}
-    for arch in ("gpt2", "llama"):
+    for arch in ("gpt2", "llama", "qwen2", "mistral"):
         model = hf_model(arch)
         model.save_pretrained(root / arch, safe_serialization=True)
         r = subprocess.run([str(BIN / "megatorch-hf"), "import", "--hf-dir", str(root / arch), "--save",
@@ -82,7 +88,8 @@ def hf_greedy(model, prompt):
 
 
 # GPT-2 at TP2 x PP2 also has its tied embedding's copy on the last stage.
-LAYOUTS = [("gpt2", 1, 1), ("gpt2", 2, 1), ("gpt2", 2, 2), ("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2)]
+LAYOUTS = [("gpt2", 1, 1), ("gpt2", 2, 1), ("gpt2", 2, 2), ("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2),
+           ("qwen2", 1, 1), ("qwen2", 2, 1), ("mistral", 1, 1)]
 
 
 @pytest.mark.parametrize("arch, tp, pp", LAYOUTS)
@@ -150,6 +157,8 @@ def test_bad_inputs_fail_clearly(models, tmp_path):
     long_prompt.write_text(json.dumps({"ids": list(range(30))}) + "\n")
     r = generate(["--load", ckpt, "--prompts-file", long_prompt, "--max-new-tokens", NEW], check=False)
     assert r.returncode == 1 and "learned position table of 32 tokens, got 38 tokens" in r.stderr
+    r = generate(["--load", models["mistral"][1], "--prompts-file", long_prompt, "--max-new-tokens", NEW], check=False)
+    assert r.returncode == 1 and "sliding window of 16 tokens, got 38 tokens" in r.stderr
     bad_ids = tmp_path / "bad.jsonl"
     bad_ids.write_text(json.dumps({"ids": [1, VOCAB]}) + "\n")
     r = generate(["--load", ckpt, "--prompts-file", bad_ids], check=False)
