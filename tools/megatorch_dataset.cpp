@@ -3,6 +3,8 @@
 //
 //   megatorch-dataset info PREFIX                 header facts as JSON (validates the files)
 //   megatorch-dataset docs PREFIX [--limit N]     each document as a JSON line {"ids": [...]}
+//       [--tokenizer-type T ...]                  ... or as {"text": ...}, detokenized (JSONL
+//                                                 for megatorch-preprocess, e.g. with another tokenizer)
 //   megatorch-dataset samples --data-path [W] P ... --seq-length S --seed 1234
 //       --split 969,30,1 --num-samples T V E --out DIR
 //     writes DIR/{train,valid,test}.bin: int64 [n, S+1] token ids, sample by sample, in
@@ -17,6 +19,7 @@
 #include "megatorch/check.h"
 #include "megatorch/data/gpt_datasets.h"
 #include "megatorch/data/indexed_dataset.h"
+#include "megatorch/data/tokenizer_flags.h"
 
 namespace md = megatorch::data;
 using nlohmann::json;
@@ -37,18 +40,27 @@ int info(const std::string& prefix) {
   return 0;
 }
 
-int docs(const std::string& prefix, int64_t limit) {
+int docs(const std::string& prefix, int64_t limit, const md::TokenizerOptions* text) {
   const md::IndexedDataset ds(prefix);
+  const auto tokenizer = text ? md::build_tokenizer(*text) : nullptr;
   const int64_t n = limit >= 0 ? std::min(limit, ds.num_documents()) : ds.num_documents();
   for (int64_t d = 0; d < n; ++d) {
     json ids = json::array();
+    std::vector<int64_t> all;
     for (int64_t s = ds.document_index(d); s < ds.document_index(d + 1); ++s) {
       std::vector<int64_t> t(static_cast<size_t>(ds.sequence_length(s)));
       ds.read(s, 0, -1, t.data());
+      all.insert(all.end(), t.begin(), t.end());
       json seq(t);
       ids.push_back(seq);
     }
-    std::cout << json{{"ids", ids}}.dump() << "\n";
+    if (!tokenizer) {
+      std::cout << json{{"ids", ids}}.dump() << "\n";
+      continue;
+    }
+    if (!all.empty() && all.back() == tokenizer->eod()) all.pop_back();  // --append-eod's, not text
+    // Bytes a tokenizer split mid-character print as U+FFFD rather than failing the dump.
+    std::cout << json{{"text", tokenizer->detokenize(all)}}.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";
   }
   return 0;
 }
@@ -110,6 +122,8 @@ int main(int argc, char** argv) {
   auto* docs_cmd = app.add_subcommand("docs", "Print each document as a JSON line {\"ids\": [[sequence ids]...]}");
   docs_cmd->add_option("prefix", prefix, "Dataset prefix (without .bin/.idx)")->required();
   docs_cmd->add_option("--limit", limit, "Print at most N documents");
+  md::TokenizerOptions text;
+  md::add_tokenizer_options(*docs_cmd, text);
 
   std::vector<std::string> data_path;
   int64_t seq_length = 0, seed = 1234;
@@ -127,7 +141,7 @@ int main(int argc, char** argv) {
 
   try {
     if (*info_cmd) return info(prefix);
-    if (*docs_cmd) return docs(prefix, limit);
+    if (*docs_cmd) return docs(prefix, limit, docs_cmd->count("--tokenizer-type") ? &text : nullptr);
     return samples(data_path, seq_length, seed, split, num_samples, out_dir);
   } catch (const c10::Error& e) {
     std::cerr << e.what_without_backtrace() << "\n";

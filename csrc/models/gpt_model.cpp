@@ -95,10 +95,17 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
   const auto& c = options.config();
   if (unit_hooks_) unit_hooks_->before_forward(first_unit_);
   at::Tensor h = options.pre_process() ? embed(input) : input;
+  // RoPE angles for the positions present: attention sees the whole sequence (gathered under SP).
+  at::Tensor freqs = rope_freqs_;
+  const int64_t tokens = c.sequence_parallel() ? h.size(0) * tp.size : h.size(0);
+  if (freqs.defined() && tokens != freqs.size(0)) {
+    freqs = tokens < freqs.size(0) ? freqs.narrow(0, 0, tokens)
+                                   : transformer::rope_frequencies(tokens, c.head_dim(), c.rotary_base(), c.device());
+  }
   for (size_t i = 0; i < layers->size(); ++i) {
     const int64_t unit = first_unit_ + 1 + static_cast<int64_t>(i);
     if (unit_hooks_) unit_hooks_->before_forward(unit);
-    h = layers[i]->as<transformer::TransformerLayer>()->forward(h, rope_freqs_);
+    h = layers[i]->as<transformer::TransformerLayer>()->forward(h, freqs);
     if (unit_hooks_) h = unit_hooks_->after_forward(unit, h);
   }
   if (options.post_process()) {

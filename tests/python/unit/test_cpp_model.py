@@ -263,3 +263,16 @@ def test_a_missing_extension_is_a_clear_error(tmp_path):
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "_cpp" in out.stderr and "scripts/build.sh" in out.stderr
     assert str(tmp_path) in out.stderr
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned_absolute"])
+def test_a_shorter_sequence_is_the_prefix_of_the_full_one(positions):
+    """Causal attention: the first k positions of a full-length forward equal a forward of
+    just those k tokens (RoPE angles and learned positions for the tokens present)."""
+    config = mt.TransformerConfig(hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=16, vocab_size=64,
+                                  position_embedding_type=positions, seed=3)
+    model = mt.GPTModel(config)
+    model.eval()
+    x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x[:, :7]), model(x)[:7], rtol=1e-5, atol=1e-5)

@@ -96,3 +96,24 @@ def test_bundled_dataset_is_valid_english_bytes():
         text = bytes(ids[:-1]).decode("ascii")
         words += sum(text.count(w) for w in (" the ", " of ", " and ", " is ", " a "))
     assert words > 1000  # prose, not noise (200 random-byte documents would have none)
+
+
+def test_docs_as_text_round_trips_the_bundled_data(tmp_path):
+    """megatorch-dataset docs --tokenizer-type prints the documents as {"text": ...} JSONL;
+    tokenized again with the same tokenizer they give the same ids (here the first 300 documents of the bundled byte-level data, and of its BPE twin through the shipped
+    tokenizer)."""
+    cases = [(BUNDLED, ["--tokenizer-type", "ByteLevel"]),
+             (str(ROOT / "data" / "default" / "stdlib_docs_bpe_text_document"),
+              ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", ROOT / "data/tokenizers/default-bpe/vocab.json",
+               "--merge-file", ROOT / "data/tokenizers/default-bpe/merges.txt"])]
+    for i, (prefix, tokenizer) in enumerate(cases):
+        r = run(DATASET, "docs", prefix, "--limit", "300", *tokenizer)
+        assert r.returncode == 0, r.stderr
+        jsonl = tmp_path / f"docs{i}.jsonl"
+        jsonl.write_text(r.stdout)
+        assert all("text" in json.loads(line) for line in r.stdout.splitlines())
+        r = run(PREPROCESS, "--input", jsonl, "--output-prefix", tmp_path / f"again{i}", "--append-eod", *tokenizer)
+        assert r.returncode == 0, r.stderr
+        ids = run(DATASET, "docs", tmp_path / f"again{i}_text_document")
+        want = run(DATASET, "docs", prefix, "--limit", "300")
+        assert ids.stdout == want.stdout
