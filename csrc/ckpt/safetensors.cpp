@@ -5,8 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
+#include <set>
+#include <tuple>
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/crc32.h"
@@ -14,6 +18,17 @@
 namespace megatorch::ckpt {
 
 namespace {
+
+// The format's own limit on the JSON header (the reference implementation's
+// MAX_HEADER_SIZE); checked before the header is allocated.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// Root object -> tensor entry -> shape / data_offsets array.
+constexpr int kMaxHeaderDepth = 3;
+
+// Thrown by the JSON parser callback to stop parsing a hostile header.
+struct HeaderRejected {
+  std::string what;
+};
 
 const std::vector<std::pair<at::ScalarType, const char*>>& dtype_names() {
   static const std::vector<std::pair<at::ScalarType, const char*>> names = {
@@ -35,13 +50,13 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
   }
 }
 
-void read_at(int fd, void* data, size_t n, int64_t offset, const std::string& path) {
+void read_at(int fd, void* data, size_t n, int64_t offset, const std::string& path, const std::string& what) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t r = ::pread(fd, p, n, offset);
     if (r < 0 && errno == EINTR) continue;
-    MEGATORCH_CHECK(r > 0, "reading '", path, "' at byte ", offset, " failed: ",
-                    r == 0 ? "unexpected end of file (truncated?)" : std::strerror(errno));
+    MEGATORCH_CHECK(r > 0, "reading ", what, " of '", path, "' at byte ", offset, " failed: ",
+                    r == 0 ? "unexpected end of file (truncated? re-copy or re-save it)" : std::strerror(errno));
     p += r;
     n -= static_cast<size_t>(r);
     offset += r;
@@ -116,52 +131,146 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
   struct stat st {};
   MEGATORCH_CHECK(::fstat(f.fd, &st) == 0, "cannot stat '", path_, "': ", std::strerror(errno));
   const int64_t size = st.st_size;
-  MEGATORCH_CHECK(size >= 8, "'", path_, "' is not a safetensors file: ", size, " bytes, expected at least 8");
+  MEGATORCH_CHECK(size >= 8, "'", path_, "' is not a safetensors file: ", size,
+                  " bytes, expected at least 8 (the header length); is the file truncated or empty?");
   unsigned char len_bytes[8];
-  read_at(f.fd, len_bytes, 8, 0, path_);
+  read_at(f.fd, len_bytes, 8, 0, path_, "the header length");
   uint64_t len = 0;
   for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
-  MEGATORCH_CHECK(len <= static_cast<uint64_t>(size - 8), "'", path_, "' is not a safetensors file or is truncated: header of ",
-                  len, " bytes in a file of ", size);
+  // Both checks come before the header is allocated: a corrupt length must not become a
+  // multi-gigabyte allocation.
+  MEGATORCH_CHECK(len <= kMaxHeaderBytes, "'", path_, "' is not a safetensors file or is corrupt: its header length is ",
+                  len, " bytes, expected at most ", kMaxHeaderBytes, " (the format's limit)");
+  MEGATORCH_CHECK(len <= static_cast<uint64_t>(size - 8), "'", path_,
+                  "' is not a safetensors file or is truncated: header of ", len, " bytes in a file of ", size,
+                  " bytes; re-copy or re-save the file");
   std::string text(len, '\0');
-  read_at(f.fd, text.data(), len, 8, path_);
+  read_at(f.fd, text.data(), len, 8, path_, "the header");
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text);
+    // A header is at most three levels deep ({name: {shape: [...]}}); the depth limit keeps
+    // a hostile "[[[[..." from building millions of nested values. Duplicate tensor names
+    // would otherwise silently keep the last entry.
+    std::set<std::string> top_keys;
+    header = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+      if (depth > kMaxHeaderDepth) throw HeaderRejected{"nested deeper than " + std::to_string(kMaxHeaderDepth) + " levels"};
+      if (event == nlohmann::json::parse_event_t::key && depth == 1 && !top_keys.insert(parsed.get<std::string>()).second) {
+        throw HeaderRejected{"tensor '" + parsed.get<std::string>() + "' appears twice"};
+      }
+      return true;
+    });
+  } catch (const HeaderRejected& e) {
+    MEGATORCH_FAIL("'", path_, "': bad safetensors header: ", e.what, "; re-save the file");
   } catch (const std::exception& e) {
-    MEGATORCH_FAIL("'", path_, "': the safetensors header is not valid JSON (", e.what(), ")");
+    MEGATORCH_FAIL("'", path_, "': the safetensors header is not valid JSON (", e.what(), "); re-save the file");
   }
-  MEGATORCH_CHECK(header.is_object(), "'", path_, "': expected a JSON object as the safetensors header");
+  MEGATORCH_CHECK(header.is_object(), "'", path_, "': expected a JSON object as the safetensors header, got ",
+                  header.type_name(), "; re-save the file");
   const int64_t data_start = 8 + static_cast<int64_t>(len);
-  std::vector<std::pair<int64_t, std::string>> by_offset;
-  for (const auto& [name, v] : header.items()) {
+  const int64_t data_size = size - data_start;
+  struct Range {
+    int64_t begin, end;
+    std::string name;
+  };
+  std::vector<Range> ranges;
+  for (const auto& item : header.items()) {
+    // Named copies, not structured bindings: the lambdas below capture them (C++17).
+    const std::string name = item.key();
+    const nlohmann::json& v = item.value();
     if (name == "__metadata__") {
-      for (const auto& [k, s] : v.items()) metadata_[k] = s.get<std::string>();
+      MEGATORCH_CHECK(v.is_object(), "'", path_, "': expected \"__metadata__\" to be an object of strings, got ",
+                      v.type_name());
+      for (const auto& [k, s] : v.items()) {
+        MEGATORCH_CHECK(s.is_string(), "'", path_, "': expected \"__metadata__\" value '", k, "' to be a string, got ",
+                        s.type_name());
+        metadata_[k] = s.get<std::string>();
+      }
       continue;
     }
-    TensorInfo info;
-    try {
-      info.dtype = scalar_type_from_safetensors(v.at("dtype").get<std::string>());
-      info.shape = v.at("shape").get<std::vector<int64_t>>();
-      const auto offsets = v.at("data_offsets").get<std::vector<int64_t>>();
-      MEGATORCH_CHECK(offsets.size() == 2, "data_offsets must have 2 entries");
-      info.offset = data_start + offsets[0];
-      info.nbytes = offsets[1] - offsets[0];
-    } catch (const nlohmann::json::exception& e) {
-      MEGATORCH_FAIL("'", path_, "': bad header entry for tensor '", name, "' (", e.what(), ")");
+    // Every message below names the file and the tensor.
+    const auto bad = [&](const auto&... parts) {
+      MEGATORCH_FAIL("'", path_, "': tensor '", name, "': ", parts..., "; the file is corrupt or not written by a "
+                     "safetensors writer, re-save it");
+    };
+    if (!v.is_object()) bad("expected an object {dtype, shape, data_offsets}, got ", v.type_name());
+    for (const char* field : {"dtype", "shape", "data_offsets"}) {
+      if (!v.contains(field)) bad("the header entry has no \"", field, "\"");
     }
-    int64_t numel = 1;
-    for (int64_t d : info.shape) numel *= d;
-    MEGATORCH_CHECK(info.nbytes == numel * static_cast<int64_t>(c10::elementSize(info.dtype)) && info.offset >= data_start &&
-                        info.offset + info.nbytes <= size,
-                    "'", path_, "': tensor '", name, "' of shape ", c10::IntArrayRef(info.shape), " has ", info.nbytes,
-                    " bytes at offset ", info.offset, ", which does not fit its shape or the file of ", size,
-                    " bytes (truncated?)");
-    by_offset.emplace_back(info.offset, name);
+    const auto& dtype = v.at("dtype");
+    if (!dtype.is_string()) bad("expected \"dtype\" to be a string, got ", dtype.type_name());
+    const auto dtype_it = std::find_if(dtype_names().begin(), dtype_names().end(),
+                                       [&](const auto& p) { return dtype.get<std::string>() == p.second; });
+    if (dtype_it == dtype_names().end()) {
+      bad("unsupported dtype '", dtype.get<std::string>(), "'; expected one of F32, F64, F16, BF16, I64, I32, I16, I8, U8, BOOL");
+    }
+    TensorInfo info;
+    info.dtype = dtype_it->first;
+    // A non-negative integer that fits int64 (nlohmann stores large ones as unsigned and
+    // would silently convert 2.5 to 2).
+    const auto as_index = [&](const nlohmann::json& j, const char* what) -> int64_t {
+      if (!j.is_number_integer()) bad("expected ", what, " to be integers, got ", j.dump());
+      if (j.is_number_unsigned()) {
+        if (j.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          bad("expected ", what, " to fit in 64 bits, got ", j.dump());
+        }
+        return static_cast<int64_t>(j.get<uint64_t>());
+      }
+      if (j.get<int64_t>() < 0) bad("expected ", what, " to be non-negative, got ", j.get<int64_t>());
+      return j.get<int64_t>();
+    };
+    const auto& shape = v.at("shape");
+    if (!shape.is_array()) bad("expected \"shape\" to be an array, got ", shape.type_name());
+    // The product of the non-zero dimensions must fit: at::empty computes strides from them
+    // even when another dimension is 0.
+    int64_t numel = 1, extent = 1;
+    for (const auto& d : shape) {
+      const int64_t n = as_index(d, "\"shape\" dimensions");
+      info.shape.push_back(n);
+      if (n != 0 && __builtin_mul_overflow(extent, n, &extent)) bad("shape ", shape.dump(), " overflows 64 bits");
+      numel *= n;  // <= extent, so it cannot overflow
+    }
+    int64_t expected_bytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(info.dtype)), &expected_bytes)) {
+      bad("shape ", shape.dump(), " of ", dtype.get<std::string>(), " overflows 64 bits of bytes");
+    }
+    const auto& offsets = v.at("data_offsets");
+    if (!offsets.is_array() || offsets.size() != 2) bad("expected \"data_offsets\" to be [begin, end], got ", offsets.dump());
+    const int64_t begin = as_index(offsets[0], "\"data_offsets\"");
+    const int64_t end = as_index(offsets[1], "\"data_offsets\"");
+    if (begin > end) bad("data_offsets [", begin, ", ", end, "] end before they begin");
+    if (end > data_size) {
+      bad("data_offsets [", begin, ", ", end, "] extend past the data section of ", data_size, " bytes (file of ", size,
+          " bytes, header of ", len, "); the file is truncated");
+    }
+    if (end - begin != expected_bytes) {
+      bad("data_offsets [", begin, ", ", end, "] hold ", end - begin, " bytes, but shape ", shape.dump(), " of ",
+          dtype.get<std::string>(), " needs ", expected_bytes);
+    }
+    info.offset = data_start + begin;
+    info.nbytes = end - begin;
+    ranges.push_back({begin, end, name});
     infos_[name] = std::move(info);
   }
-  std::sort(by_offset.begin(), by_offset.end());
-  for (auto& [o, name] : by_offset) order_.push_back(name);
+  // The tensors must tile the data section exactly, as the format requires: an overlap
+  // means two tensors share bytes, a gap (or trailing bytes) means a corrupt header.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  int64_t at = 0;
+  const std::string* prev = nullptr;
+  for (const auto& r : ranges) {
+    MEGATORCH_CHECK(r.begin >= at, "'", path_, "': tensor '", r.name, "' (bytes [", r.begin, ", ", r.end,
+                    ")) overlaps tensor '", prev ? *prev : std::string(), "' (ending at ", at,
+                    "); the header is corrupt, re-save the file");
+    MEGATORCH_CHECK(r.begin == at, "'", path_, "': tensor '", r.name, "' begins at data byte ", r.begin, " but ",
+                    prev ? "tensor '" + *prev + "' ends" : std::string("the data section begins"), " at ", at,
+                    ": a gap of ", r.begin - at, " bytes; the header is corrupt, re-save the file");
+    at = r.end;
+    prev = &r.name;
+    order_.push_back(r.name);
+  }
+  MEGATORCH_CHECK(at == data_size, "'", path_, "': the data section has ", data_size, " bytes but the tensors cover ", at,
+                  prev ? " (the last is '" + *prev + "')" : std::string(" (no tensors)"),
+                  "; trailing bytes mean a corrupt header or a file appended to, re-save it");
 }
 
 std::vector<std::string> SafetensorsReader::names() const { return order_; }
@@ -176,8 +285,9 @@ at::Tensor SafetensorsReader::read(const std::string& name) const {
   const TensorInfo& i = info(name);
   at::Tensor out = at::empty(i.shape, at::TensorOptions().dtype(i.dtype));
   Fd f{::open(path_.c_str(), O_RDONLY | O_CLOEXEC)};
-  MEGATORCH_CHECK(f.fd >= 0, "cannot open '", path_, "': ", std::strerror(errno));
-  read_at(f.fd, out.data_ptr(), i.nbytes, i.offset, path_);
+  MEGATORCH_CHECK(f.fd >= 0, "cannot open '", path_, "' to read tensor '", name, "': ", std::strerror(errno));
+  // The file may have shrunk since the header was checked: read_at fails on a short read.
+  read_at(f.fd, out.data_ptr(), i.nbytes, i.offset, path_, "tensor '" + name + "'");
   return out;
 }
 
