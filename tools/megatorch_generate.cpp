@@ -6,6 +6,7 @@
 // tp x pp. Greedy unless --temperature, --top-k or --top-p is given. Rank 0 prints each
 // prompt with its continuation and writes --output-json (one JSON line per prompt).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <nlohmann/json.hpp>
@@ -53,13 +54,30 @@ struct Args {
   std::string backend = "auto";
   std::string output_json;
   mt::data::TokenizerOptions tokenizer;
-  bool sample = false;  // set from the flags given
+  bool sample = false;           // set from the flags given
+  bool tokenizer_given = false;  // --tokenizer-type on the command line
 };
 
 struct Prompt {
   std::string text;  // empty for an {"ids": ...} prompt
   std::vector<int64_t> ids;
 };
+
+// The text the generated ids add to the prompt. Decoded with the prompt and the prompt's
+// own decoding cut off: SentencePiece-style decoders drop a sequence's leading space, so
+// the continuation decoded alone would lose the space between prompt and answer.
+std::string continuation_text(mt::data::Tokenizer& tokenizer, const std::vector<int64_t>& prompt,
+                              const std::vector<int64_t>& generated) {
+  std::vector<int64_t> prompt_ok;
+  for (int64_t id : prompt) {
+    if (id < tokenizer.vocab_size()) prompt_ok.push_back(id);
+  }
+  std::vector<int64_t> all = prompt_ok;
+  all.insert(all.end(), generated.begin(), generated.end());
+  const std::string whole = tokenizer.detokenize(all), head = tokenizer.detokenize(prompt_ok);
+  if (whole.compare(0, head.size(), head) == 0) return whole.substr(head.size());
+  return tokenizer.detokenize(generated);
+}
 
 // Every prompt, tokenized: --prompt flags first, then the file's lines in order.
 std::vector<Prompt> read_prompts(const Args& a, mt::data::Tokenizer& tokenizer) {
@@ -166,6 +184,14 @@ int run(const Args& a) {
       tokenizer = mt::data::build_tokenizer(t);
       prompts = read_prompts(a, *tokenizer);
       eod = tokenizer->eod();
+      const bool text = std::any_of(prompts.begin(), prompts.end(), [](const Prompt& p) { return !p.text.empty(); });
+      // Text through another model's tokenizer is garbage without an error: the default
+      // (ByteLevel) is taken only for a model of its vocabulary; any prompt id outside the
+      // model's is refused below.
+      MEGATORCH_CHECK(!text || a.tokenizer_given || config.vocab_size() == mt::data::kByteLevelVocabSize,
+                      "megatorch-generate: text prompts need the model's tokenizer: the checkpoint's vocabulary is ",
+                      config.vocab_size(), " ids, not the default ByteLevel's ", mt::data::kByteLevelVocabSize,
+                      "; give --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)");
     } catch (...) {
       try {
         share_prompts({}, -1, false, eod, world_group);  // tells the others, which then fail
@@ -233,9 +259,12 @@ int run(const Args& a) {
     if (tokenizer->has_text()) {
       auto body = generated;
       if (!body.empty() && body.back() == stop) body.pop_back();  // the end of document is no text
+      // Rows beyond the tokenizer's ids (HF models often have spare ones) have no text.
+      body.erase(std::remove_if(body.begin(), body.end(), [&](int64_t id) { return id >= tokenizer->vocab_size(); }),
+                 body.end());
       const std::string prompt_text = prompts[i].text.empty() ? tokenizer->detokenize(ids[i]) : prompts[i].text;
       line["prompt"] = prompt_text;
-      line["text"] = tokenizer->detokenize(body);
+      line["text"] = continuation_text(*tokenizer, ids[i], body);
       std::printf("--- prompt %zu: %s\n%s%s\n", i + 1, prompt_text.c_str(), prompt_text.c_str(),
                   line["text"].get<std::string>().c_str());
     } else {
@@ -282,6 +311,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   // Greedy unless a sampling flag is given: then top-k, then top-p on logits / temperature.
   a.sample = temperature->count() + top_k->count() + top_p->count() > 0;
+  a.tokenizer_given = app.count("--tokenizer-type") > 0;
   try {
     return run(a);
   } catch (const c10::Error& e) {

@@ -95,7 +95,7 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   j["init_std"] = c.init_std();
   j["sliding_window"] = c.sliding_window();
   // With RoPE no parameter has the max positions' size (so the shape JSON says 0), but
-  // they bound generation and go back into an exported HF config.
+  // they are the model's own (an imported one's) and go back into an exported HF config.
   j["max_positions"] = c.max_positions();
   return j;
 }

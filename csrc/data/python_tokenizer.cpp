@@ -1,6 +1,7 @@
 #include "python_tokenizer.h"
 
 #include <dlfcn.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -75,7 +76,10 @@ struct Child {
   Child& operator=(const Child&) = delete;
   ~Child() {
     if (fd >= 0) close(fd);
-    if (pid <= 0) return;
+    if (pid > 0) reap();
+  }
+  // Waits for the child to exit (a few seconds at most, then kills it); its status.
+  int reap() {
     int status = 0;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (waitpid(pid, &status, WNOHANG) == 0) {
@@ -86,8 +90,22 @@ struct Child {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    pid = -1;
+    return status;
   }
 };
+
+// How long a reply may take: MEGATORCH_TOKENIZER_TIMEOUT_S, default 600 s (the first
+// reply includes importing transformers on a busy machine).
+int reply_timeout_ms() {
+  const char* env = std::getenv("MEGATORCH_TOKENIZER_TIMEOUT_S");
+  if (env == nullptr || *env == '\0') return 600 * 1000;
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  MEGATORCH_CHECK(end != env && *end == '\0' && s >= 0.001 && s <= 86400, "expected MEGATORCH_TOKENIZER_TIMEOUT_S "
+                  "to be seconds in [0.001, 86400], got '", env, "'");
+  return static_cast<int>(s * 1000);
+}
 
 // One tokenizers.py --serve process, spoken to over a socket pair as its stdin and stdout
 // (a socket so that a send to a dead child is an error, not SIGPIPE). Its stderr is ours:
@@ -154,8 +172,10 @@ class PythonTokenizer final : public Tokenizer {
   [[noreturn]] void child_died(const std::string& when) {
     int status = 0;
     std::string how = "closed its output";
-    if (child_.pid > 0 && waitpid(child_.pid, &status, 0) == child_.pid) how = describe_status(status);
-    child_.pid = -1;
+    if (child_.pid > 0) {
+      status = child_.reap();  // a child that closed its socket but lingers is killed
+      how = describe_status(status);
+    }
     MEGATORCH_FAIL(type_, ": the tokenizer process (", python_, " ", script_, ") ", how, " ", when,
                    " (any error it printed is above); check that ", python_,
                    " runs and has the tokenizers/transformers/sentencepiece packages, or set MEGATORCH_PYTHON");
@@ -176,6 +196,18 @@ class PythonTokenizer final : public Tokenizer {
     MEGATORCH_CHECK(child_.pid > 0, type_, ": the tokenizer process has already ended");
     size_t eol;
     while ((eol = buffer_.find('\n')) == std::string::npos) {
+      // A hung interpreter must not hang the job: wait for the reply with a deadline.
+      pollfd ready{child_.fd, POLLIN, 0};
+      const int timeout = reply_timeout_ms();
+      const int polled = poll(&ready, 1, timeout);
+      if (polled < 0 && errno == EINTR) continue;
+      if (polled == 0) {
+        kill(child_.pid, SIGKILL);
+        child_.reap();
+        MEGATORCH_FAIL(type_, ": the tokenizer process (", python_, " ", script_, ") did not answer within ",
+                       timeout / 1000.0, " s ", started_ ? "a request" : "of starting",
+                       " and was stopped; set MEGATORCH_TOKENIZER_TIMEOUT_S if it needs longer");
+      }
       char chunk[1 << 16];
       const ssize_t n = recv(child_.fd, chunk, sizeof(chunk), 0);
       if (n < 0 && errno == EINTR) continue;

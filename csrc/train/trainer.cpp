@@ -63,12 +63,21 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   const bool has_checkpoint = !args_.load.empty() && ckpt::latest_iteration(args_.load) >= 0;
   MEGATORCH_CHECK(!args_.use_checkpoint_args || has_checkpoint, "gpt_pretrain: --use-checkpoint-args needs a checkpoint "
                   "in --load, found none in '", args_.load, "'");
+  MEGATORCH_CHECK(!args_.finetune || has_checkpoint, "gpt_pretrain: --finetune starts from a checkpoint's weights but "
+                  "'", args_.load, "' holds none; check the --load path");
+  // Evaluating a freshly initialised model would report a loss that looks real.
+  MEGATORCH_CHECK(!args_.eval_only || has_checkpoint, "gpt_pretrain: --eval-only evaluates the checkpoint in --load, "
+                  "found none in '", args_.load, "'; pass --load DIR of a saved run (its latest_checkpointed_iteration.txt)");
   if (has_checkpoint) {
     const auto saved = ckpt::read_metadata(args_.load).at("model_config");
     if (args_.use_checkpoint_args) apply_checkpoint_args(args_, saved);
     // Not a shape (loading does not compare it) but a property of the model: a Mistral's
     // window bounds the sequences it may train on (validate() refuses longer ones).
     args_.sliding_window = saved.value("sliding_window", int64_t{0});
+    // RoPE's max positions size no parameter; kept so an export writes the model's own.
+    if (saved.value("position_embedding_type", "") == "rope" && !args_.given.count("max-position-embeddings")) {
+      args_.max_position_embeddings = std::max(saved.value("max_positions", int64_t{0}), args_.seq_length);
+    }
   }
   eod_ = resolve_vocab_size(args_);
   validate(args_, env.world_size);
@@ -431,6 +440,21 @@ void Trainer::save_checkpoint() {
   }
 }
 
+namespace {
+
+// What a checkpoint must match to load: its shapes, and the numbers that change what the
+// same weights compute (a Llama-3 resumed with the default RoPE base would train another
+// model without a word).
+nlohmann::json load_comparison(const transformer::TransformerConfig& c) {
+  nlohmann::json j = ckpt::gpt_shape_json(c);
+  const nlohmann::json all = ckpt::gpt_config_json(c);
+  for (const char* key : {"norm_epsilon", "sliding_window"}) j[key] = all.at(key);
+  if (c.position_embedding_type() == transformer::Positions::kRope) j["rotary_base"] = all.at("rotary_base");
+  return j;
+}
+
+}  // namespace
+
 bool Trainer::load_checkpoint() {
   if (ckpt::latest_iteration(args_.load) < 0) {
     if (is_logging_rank()) std::printf("[megatorch] no checkpoint in %s yet: starting from scratch\n", args_.load.c_str());
@@ -451,7 +475,7 @@ bool Trainer::load_checkpoint() {
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
   const auto loaded = ckpt::load_checkpoint(
       args_.load, entries,
-      ckpt::LoadOptions().model_config(ckpt::gpt_shape_json(model_config(args_))).group(state_->group_name(GroupKind::kWorld)));
+      ckpt::LoadOptions().model_config(load_comparison(model_config(args_))).group(state_->group_name(GroupKind::kWorld)));
   if (has_optimizer) {
     optimizer_->copy_master_to_params();  // the fp32 masters are the exact values
   } else {

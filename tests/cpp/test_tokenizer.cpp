@@ -1,6 +1,8 @@
 // megatorch::data::build_tokenizer: ByteLevel and PreTokenized in C++, and the library-backed
 // types through the Python co-process with the tokenizer shipped in data/tokenizers
 // (tests/python/unit/test_tokenizers.py checks every type's ids against the libraries).
+#include <filesystem>
+#include <fstream>
 #include <catch2/catch.hpp>
 #include <stdlib.h>
 
@@ -77,5 +79,14 @@ TEST_CASE("library-backed tokenizers run in a Python co-process", "[tokenizer]")
   const std::string saved = prev ? prev : "";
   ::setenv("MEGATORCH_PYTHON", "false", 1);  // an interpreter that exits at once: reported, not waited for
   CHECK_THROWS_WITH(md::build_tokenizer(gpt2()), Contains("exited with status 1 while starting"));
+  // An interpreter that hangs: stopped at the deadline, never waited on forever.
+  const std::string hang = (std::filesystem::temp_directory_path() / "megatorch_hung_python.sh").string();
+  std::ofstream(hang) << "#!/bin/sh\nsleep 60\n";
+  std::filesystem::permissions(hang, std::filesystem::perms::owner_all);
+  ::setenv("MEGATORCH_PYTHON", hang.c_str(), 1);
+  ::setenv("MEGATORCH_TOKENIZER_TIMEOUT_S", "0.5", 1);
+  CHECK_THROWS_WITH(md::build_tokenizer(gpt2()), Contains("did not answer within 0.5 s of starting"));
+  ::unsetenv("MEGATORCH_TOKENIZER_TIMEOUT_S");
+  std::filesystem::remove(hang);
   prev ? ::setenv("MEGATORCH_PYTHON", saved.c_str(), 1) : ::unsetenv("MEGATORCH_PYTHON");
 }

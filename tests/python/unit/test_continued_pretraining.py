@@ -161,3 +161,24 @@ def test_checkpoint_from_before_the_qkv_bias_and_window_fields_loads(tmp_path):
     meta.write_text(json.dumps(data))
     with pytest.raises(RuntimeError, match="add_qkv_bias: checkpoint true, model false"):
         mt.load_checkpoint(mt.GPTModel(mt.TransformerConfig(**fields)), str(tmp_path / "ckpt"))
+
+
+def test_loading_without_checkpoint_args_must_match_what_the_weights_compute(imported, tmp_path):
+    """Without --use-checkpoint-args the flags must describe the checkpoint: besides the
+    shapes, the RoPE base and norm epsilon (a Llama-3 resumed with the default base would
+    silently train another model). --finetune from a directory without a checkpoint is
+    an error, not a run from random weights."""
+    src, _ = imported
+    shape = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--vocab-size", str(VOCAB), "--normalization",
+             "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--max-position-embeddings", "64"]
+    out = pretrain(1, ["--finetune", "--load", src / "ckpt", *TRAIN, *shape, "--train-iters", "1"])
+    assert out.returncode != 0
+    assert "rotary_base: checkpoint 500000.0, model 10000.0" in out.stderr, out.stderr[-3000:]
+    out = pretrain(1, ["--finetune", "--load", src / "ckpt", *TRAIN, *shape, "--rotary-base", "500000",
+                       "--norm-epsilon", "1e-5", "--train-iters", "1"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = pretrain(1, ["--finetune", "--load", tmp_path / "nothing", *TRAIN, *shape, "--train-iters", "1"])
+    assert out.returncode != 0
+    assert "--finetune starts from a checkpoint's weights" in out.stderr, out.stderr[-3000:]

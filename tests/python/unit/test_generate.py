@@ -112,7 +112,7 @@ def test_text_prompt_and_eod(models, tmp_path):
     model, ckpt, prompts = models["gpt2"]
     out = tmp_path / "out.jsonl"
     generate(["--load", ckpt, "--prompt", "ab", "--prompts-file", prompts, "--max-new-tokens", NEW,
-              "--output-json", out])
+              "--output-json", out, "--tokenizer-type", "ByteLevel"])
     lines = read_lines(out)
     assert lines[0]["prompt_ids"] == [97, 98] and lines[0]["prompt"] == "ab" and "text" in lines[0]
     assert lines[0]["generated_ids"] == hf_greedy(model, [97, 98])
@@ -172,3 +172,36 @@ def test_bad_inputs_fail_clearly(models, tmp_path):
     assert r.returncode != 0 and "rank 0 could not read the prompts" in r.stderr and "bad_line.jsonl:1" in r.stderr
     r = generate(["--load", ckpt, "--prompts-file", prompts, "--temperature", 0], check=False)
     assert r.returncode == 1 and "--temperature > 0" in r.stderr
+    # Text through the default (ByteLevel) tokenizer into a model of another vocabulary.
+    r = generate(["--load", ckpt, "--prompt", "ab"], check=False)
+    assert r.returncode == 1 and "the checkpoint's vocabulary is 200 ids, not the default ByteLevel's 257" in r.stderr
+
+
+def test_sentencepiece_text_keeps_the_space_after_the_prompt(models, tmp_path):
+    """SentencePiece decoders drop a sequence's leading space: the continuation is decoded
+    with its prompt and the prompt's decoding cut off, so prompt + text reads as the
+    whole sequence decoded (Llama2Tokenizer: BOS first, as Megatron tokenizes)."""
+    import sentencepiece as spm
+    docs = subprocess.run(
+        [str(BIN / "megatorch-dataset"), "docs", str(Path(__file__).resolve().parents[3] / "data" / "default" /
+                                                     "stdlib_docs_text_document"), "--limit", "300",
+         "--tokenizer-type", "ByteLevel"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(json.loads(d)["text"] for d in docs),
+                                   model_prefix=str(tmp_path / "sp"), vocab_size=VOCAB, model_type="unigram",
+                                   num_threads=1, minloglevel=2, max_sentence_length=1 << 20)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    texts = ["Return the", "The list", "If the file", "Create a new", "This module", "An object"]
+    out = tmp_path / "out.jsonl"
+    args = ["--load", models["llama"][1], "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+            tmp_path / "sp.model", "--max-new-tokens", NEW, "--ignore-eod", "--output-json", out]
+    for t in texts:
+        args += ["--prompt", t]
+    generate(args)
+    mattered = False
+    for t, line in zip(texts, read_lines(out)):
+        assert line["prompt_ids"] == [sp.bos_id(), *sp.encode(t)]
+        ids = [i for i in line["prompt_ids"] + line["generated_ids"] if i not in (sp.bos_id(), sp.eos_id())]
+        whole, head = sp.decode(ids), sp.decode(line["prompt_ids"][1:])
+        assert line["text"] == whole[len(head):]
+        mattered |= line["text"] != sp.decode([i for i in line["generated_ids"] if i != sp.eos_id()])
+    assert mattered  # some continuation begins with a word: decoded alone it would lose its space
