@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -164,6 +165,118 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// ---- reading metadata.json: every field checked for presence and type, errors naming
+// the file and the field ("tensors['model/x'].pieces[0].world"), never a bare
+// nlohmann message.
+
+// A metadata value for an error message, cut short (a damaged file may hold anything).
+std::string show(const json& v) {
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  return s.size() > 80 ? s.substr(0, 77) + "..." : s;
+}
+
+struct MetaFile {
+  std::string path;  // metadata.json
+
+  [[noreturn]] void fail(const std::string& where, const std::string& problem) const {
+    MEGATORCH_FAIL("checkpoint metadata '", path, "': ", where, ": ", problem,
+                   "; the file is damaged or was edited by hand (restore it from the saving run)");
+  }
+  const json& member(const json& obj, const std::string& key, const std::string& where) const {
+    if (!obj.is_object()) fail(where, "expected an object, got " + show(obj));
+    const auto it = obj.find(key);
+    if (it == obj.end()) fail(where + "." + key, "missing");
+    return *it;
+  }
+  int64_t integer(const json& obj, const std::string& key, const std::string& where) const {
+    const json& v = member(obj, key, where);
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX)) {
+      fail(where + "." + key, "expected an integer, got " + show(v));
+    }
+    return v.get<int64_t>();
+  }
+  std::string string(const json& obj, const std::string& key, const std::string& where) const {
+    const json& v = member(obj, key, where);
+    if (!v.is_string()) fail(where + "." + key, "expected a string, got " + show(v));
+    return v.get<std::string>();
+  }
+  std::vector<int64_t> shape(const json& obj, const std::string& key, const std::string& where) const {
+    const json& v = member(obj, key, where);
+    bool ok = v.is_array();
+    for (const auto& d : v) ok = ok && d.is_number_integer() && !(d.is_number_unsigned() && d.get<uint64_t>() > INT64_MAX);
+    if (!ok) fail(where + "." + key, "expected a list of integers, got " + show(v));
+    const auto out = v.get<std::vector<int64_t>>();
+    for (int64_t d : out) {
+      if (d < 0) fail(where + "." + key, "expected sizes >= 0, got " + show(v));
+    }
+    return out;
+  }
+  const json& array(const json& obj, const std::string& key, const std::string& where) const {
+    const json& v = member(obj, key, where);
+    if (!v.is_array()) fail(where + "." + key, "expected a list, got " + show(v));
+    return v;
+  }
+  const json& object(const json& obj, const std::string& key, const std::string& where) const {
+    const json& v = member(obj, key, where);
+    if (!v.is_object()) fail(where + "." + key, "expected an object, got " + show(v));
+    return v;
+  }
+};
+
+// A shard's file, as metadata.json names it: a plain file name inside the iteration's
+// directory. Anything else ("../x", "/abs", "sub/x") could read outside the checkpoint.
+bool plain_file_name(const std::string& f) {
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
+         f.find('\0') == std::string::npos;
+}
+
+// One saved piece of tensor `key` (logical `shape`) as metadata.json describes it.
+struct SavedPiece {
+  ShardedEntry entry;  // without data
+  std::string file, name;
+  at::ScalarType dtype = at::kFloat;
+};
+
+SavedPiece read_piece(const MetaFile& m, const std::string& key, const std::vector<int64_t>& shape, const json& p,
+                      const std::string& where) {
+  SavedPiece out;
+  ShardedEntry& e = out.entry;
+  e.key = key;
+  e.spec.full_shape = m.shape(p, "full_shape", where);
+  e.spec.partition_dim = m.integer(p, "partition_dim", where);
+  e.spec.rank = m.integer(p, "rank", where);
+  e.spec.world = m.integer(p, "world", where);
+  e.spec.parts = m.integer(p, "parts", where);
+  e.begin = m.integer(p, "begin", where);
+  e.end = m.integer(p, "end", where);
+  e.valid_rows = m.integer(p, "valid_rows", where);
+  out.file = m.string(p, "file", where);
+  out.name = m.string(p, "name", where);
+  const std::string dtype = m.string(p, "dtype", where);
+  if (!plain_file_name(out.file)) {
+    m.fail(where + ".file", "'" + out.file + "' leaves the checkpoint directory; expected a file name inside it "
+                            "such as rank_00000.safetensors");
+  }
+  // The nested messages without their own "megatorch: " prefix.
+  auto bare = [](const std::string& msg) { return msg.rfind("megatorch: ", 0) == 0 ? msg.substr(11) : msg; };
+  if (auto err = capture([&] { out.dtype = scalar_type_from_safetensors(dtype); })) m.fail(where + ".dtype", bare(*err));
+  if (auto err = capture([&] { validate_layout(e); })) m.fail(where, bare(*err));
+  if (logical_shape(e) != shape) {
+    m.fail(where, "the piece's full_shape " + c10::str(c10::IntArrayRef(e.spec.full_shape)) + " with valid_rows " +
+                      std::to_string(e.valid_rows) + " describes another tensor than the shape " +
+                      c10::str(c10::IntArrayRef(shape)));
+  }
+  // Padding rows beyond the real ones: a vocabulary rounded up to a multiple of
+  // tp x make_vocab_size_divisible_by has far fewer. Bounding them bounds the runs
+  // entry_runs walks, so a damaged number cannot stall the load.
+  if (e.valid_rows >= 0 && e.spec.full_shape[0] - e.valid_rows > std::max<int64_t>(e.valid_rows, 1 << 20)) {
+    m.fail(where, "full_shape[0] = " + std::to_string(e.spec.full_shape[0]) + " pads valid_rows = " +
+                      std::to_string(e.valid_rows) + " beyond any real padding");
+  }
+  if (e.end < 0) e.end = shard_numel(e);
+  return out;
+}
+
 // Every rank's description -> the tensors' table, checking that the written pieces of
 // each tensor cover it exactly once.
 json assemble_tensors(const std::vector<json>& ranks) {
@@ -237,9 +350,15 @@ std::string config_differences(const json& have, const json& want) {
   return out;
 }
 
-// What load will do for one entry: for each file, (piece name, copies).
+// What load will do for one entry: for each file, the pieces to read and their copies.
+struct Source {
+  std::string name;  // the tensor in the file
+  at::ScalarType dtype = at::kFloat;
+  int64_t numel = 0;  // elements metadata.json says it has (checked against the file)
+  std::vector<Copy> copies;
+};
 struct Plan {
-  std::map<std::string, std::vector<std::pair<std::string, std::vector<Copy>>>> by_file;
+  std::map<std::string, std::vector<Source>> by_file;
 };
 
 }  // namespace
@@ -256,8 +375,13 @@ int64_t latest_iteration(const std::string& dir) {
   std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  MEGATORCH_CHECK(!text.empty() && std::all_of(text.begin(), text.end(), ::isdigit), "'", path.string(),
-                  "' should hold an iteration number, holds '", text, "'");
+  // Digits only (no sign, at most 18 so stoll cannot overflow): what save_checkpoint writes.
+  const bool number = !text.empty() && text.size() <= 18 &&
+                      std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+  MEGATORCH_CHECK(number, "'", path.string(), "' should hold the iteration number of the last complete save (",
+                  "digits, as save_checkpoint writes them), holds ", json(text.substr(0, 64)).dump(-1, ' ', false, json::error_handler_t::replace),
+                  text.size() > 64 ? "..." : "", "; write the right iteration into it, or load an iteration ",
+                  "explicitly");
   return std::stoll(text);
 }
 
@@ -272,8 +396,11 @@ json read_metadata(const std::string& dir, int64_t iteration) {
   } catch (const std::exception& e) {
     MEGATORCH_FAIL("'", path.string(), "' is not valid JSON (", e.what(), "); the checkpoint is damaged");
   }
-  MEGATORCH_CHECK(meta.value("format", "") == "megatorch-checkpoint" && meta.value("version", 0) == kFormatVersion,
-                  "'", path.string(), "' is not a megatorch checkpoint of format version ", kFormatVersion);
+  const bool ours = meta.is_object() && meta.contains("format") && meta["format"] == "megatorch-checkpoint" &&
+                    meta.contains("version") && meta["version"] == kFormatVersion;
+  MEGATORCH_CHECK(ours, "'", path.string(), "' is not a megatorch checkpoint of format version ", kFormatVersion,
+                  " (expected an object with \"format\": \"megatorch-checkpoint\" and \"version\": ", kFormatVersion,
+                  ")");
   return meta;
 }
 
@@ -366,17 +493,21 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntr
   LoadedCheckpoint out;
   std::vector<Plan> plans(entries.size());
   fs::path path;
-  // 1. Validate everything: metadata, model configuration, keys, shapes, coverage, files.
+  // 1. Validate everything: metadata, model configuration, keys, shapes, every field of
+  // every piece used, coverage, files and their headers. Nothing below step 2 can fail on
+  // what metadata.json or a shard says, so a refused load leaves the weights unchanged.
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
   auto error = capture([&] {
     int64_t iteration = options.iteration();
     path = resolve_iteration_dir(dir, iteration);
     const json meta = read_metadata(dir, iteration);
+    const MetaFile m{(path / kMetadata).string()};
     out.iteration = iteration;
     out.path = path.string();
-    out.world_size = meta.at("world_size").get<int64_t>();
-    out.state.model_config = meta.at("model_config");
-    out.state.state = meta.at("state");
-    for (const auto& s : meta.at("rank_states")) out.rank_states.push_back(s);
+    out.world_size = m.integer(meta, "world_size", "top level");
+    out.state.model_config = m.member(meta, "model_config", "top level");
+    out.state.state = m.member(meta, "state", "top level");
+    for (const auto& s : m.array(meta, "rank_states", "top level")) out.rank_states.push_back(s);
     if (out.world_size == r.size && r.rank < static_cast<int64_t>(out.rank_states.size())) {
       out.state.rank_state = out.rank_states[r.rank];
     }
@@ -385,60 +516,90 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntr
       MEGATORCH_CHECK(diff.empty(), "checkpoint '", path.string(), "' is of another model (", diff,
                       "); load it into a model built with the checkpoint's configuration");
     }
-    const json& tensors = meta.at("tensors");
+    const json& tensors = m.object(meta, "tensors", "top level");
     std::set<std::string> files_needed;
     for (size_t i = 0; i < entries.size(); ++i) {
       const ShardedEntry& e = entries[i];
       validate_entry(e);
       MEGATORCH_CHECK(tensors.contains(e.key), "checkpoint '", path.string(), "' has no tensor '", e.key,
                       "'; was it saved from another kind of model?");
-      const json& t = tensors.at(e.key);
-      const auto saved_shape = t.at("shape").get<std::vector<int64_t>>();
+      const std::string where = "tensors[" + json(e.key).dump() + "]";
+      const json& t = m.object(tensors, e.key, "tensors");
+      const auto saved_shape = m.shape(t, "shape", where);
       MEGATORCH_CHECK(saved_shape == logical_shape(e), "checkpoint '", path.string(), "': '", e.key, "' has shape ",
                       c10::IntArrayRef(saved_shape), ", the model's is ", c10::IntArrayRef(logical_shape(e)),
                       "; the checkpoint is of another model shape");
       const std::vector<Run> want = entry_runs(e);
-      int64_t wanted = 0, covered = 0;
+      int64_t wanted = 0;
       for (const Run& run : want) wanted += run.length;
-      for (const auto& p : t.at("pieces")) {
-        std::vector<Copy> copies = overlap(want, entry_runs(piece_entry(e.key, p)));
+      std::vector<std::pair<int64_t, int64_t>> filled;  // (destination, length) of every copy
+      const json& pieces = m.array(t, "pieces", where);
+      for (size_t j = 0; j < pieces.size(); ++j) {
+        const SavedPiece piece = read_piece(m, e.key, saved_shape, pieces[j], where + ".pieces[" + std::to_string(j) + "]");
+        std::vector<Copy> copies = overlap(want, entry_runs(piece.entry));
         if (copies.empty()) continue;
-        for (const Copy& c : copies) covered += c.length;
-        const std::string file = p.at("file");
-        plans[i].by_file[file].emplace_back(p.at("name").get<std::string>(), std::move(copies));
-        files_needed.insert(file);
+        for (const Copy& c : copies) filled.emplace_back(c.dst, c.length);
+        plans[i].by_file[piece.file].push_back(
+            {piece.name, piece.dtype, piece.entry.end - piece.entry.begin, std::move(copies)});
+        files_needed.insert(piece.file);
+      }
+      // Every element this rank needs exactly once: two pieces claiming the same elements
+      // could otherwise hide a gap from a plain count.
+      std::sort(filled.begin(), filled.end());
+      int64_t covered = 0, next = 0;
+      for (const auto& [dst, length] : filled) {
+        MEGATORCH_CHECK(dst >= next, "checkpoint '", path.string(), "': pieces of '", e.key, "' in ", kMetadata,
+                        " overlap (element ", dst, " of this rank's part is in two); its metadata is damaged");
+        next = dst + length;
+        covered += length;
       }
       MEGATORCH_CHECK(covered == wanted, "checkpoint '", path.string(), "': only ", covered, " of the ", wanted,
                       " elements of '", e.key, "' this rank needs are in the checkpoint; its metadata is damaged");
     }
-    const json& files = meta.at("files");
+    const json& files = m.object(meta, "files", "top level");
     for (const auto& f : files_needed) {
       const fs::path fp = path / f;
       MEGATORCH_CHECK(files.contains(f), "checkpoint '", path.string(), "': ", f, " is not listed in ", kMetadata);
-      MEGATORCH_CHECK(fs::exists(fp), "checkpoint '", path.string(), "' is missing shard ", f,
+      MEGATORCH_CHECK(fs::is_regular_file(fp), "checkpoint '", path.string(), "' is missing shard ", f,
                       " (written by the saving run's rank of that number); copy the whole checkpoint directory");
-      const int64_t bytes = files.at(f).at("bytes").get<int64_t>();
+      const std::string where = "files[" + json(f).dump() + "]";
+      const int64_t bytes = m.integer(files.at(f), "bytes", where);
+      const int64_t want_crc = m.integer(files.at(f), "crc32", where);
+      if (want_crc < 0 || want_crc > 0xFFFFFFFFLL) m.fail(where + ".crc32", "expected a CRC-32 (0..4294967295), got " + std::to_string(want_crc));
       MEGATORCH_CHECK(static_cast<int64_t>(fs::file_size(fp)) == bytes, "checkpoint shard '", fp.string(), "' has ",
                       fs::file_size(fp), " bytes, ", kMetadata, " says ", bytes, "; the file is truncated or damaged");
       const uint32_t crc = file_crc32(fp.string());
-      const uint32_t want_crc = files.at(f).at("crc32").get<uint32_t>();
-      MEGATORCH_CHECK(crc == want_crc, "checkpoint shard '", fp.string(), "' fails its checksum (CRC-32 ", crc,
-                      ", expected ", want_crc, "); the file is damaged");
+      MEGATORCH_CHECK(crc == static_cast<uint32_t>(want_crc), "checkpoint shard '", fp.string(),
+                      "' fails its checksum (CRC-32 ", crc, ", expected ", want_crc, "); the file is damaged");
+      // The header now, so the copy below finds every tensor where metadata.json says.
+      auto& reader = readers[f];
+      reader = std::make_unique<SafetensorsReader>(fp.string());
+      for (const Plan& plan : plans) {
+        const auto it = plan.by_file.find(f);
+        if (it == plan.by_file.end()) continue;
+        for (const Source& src : it->second) {
+          MEGATORCH_CHECK(reader->contains(src.name), "checkpoint shard '", fp.string(), "' has no tensor '", src.name,
+                          "', which ", kMetadata, " places there; the checkpoint is damaged");
+          const TensorInfo& info = reader->info(src.name);
+          MEGATORCH_CHECK(info.dtype == src.dtype && numel_of(info.shape) == src.numel, "checkpoint shard '",
+                          fp.string(), "': tensor '", src.name, "' is ", safetensors_dtype(info.dtype), " ",
+                          c10::IntArrayRef(info.shape), ", ", kMetadata, " says ", safetensors_dtype(src.dtype), " of ",
+                          src.numel, " elements; the checkpoint is damaged");
+        }
+      }
     }
   });
   agree(r, error, "load_checkpoint (validating '" + dir + "')");
 
   // 2. Copy: each entry assembled in a CPU staging tensor of its dtype (padding zero).
   at::NoGradGuard no_grad;
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
   for (size_t i = 0; i < entries.size(); ++i) {
     ShardedEntry& e = entries[i];
     at::Tensor stage = at::zeros({e.tensor.numel()}, at::TensorOptions().dtype(e.tensor.scalar_type()));
     const size_t elem = stage.element_size();
     for (const auto& [file, pieces] : plans[i].by_file) {
-      auto& reader = readers[file];
-      if (!reader) reader = std::make_unique<SafetensorsReader>((path / file).string());
-      for (const auto& [name, copies] : pieces) {
+      const auto& reader = readers.at(file);
+      for (const auto& [name, dtype, numel, copies] : pieces) {
         const at::Tensor src = reader->read(name).reshape({-1}).to(stage.scalar_type()).contiguous();
         auto* dst_bytes = static_cast<char*>(stage.data_ptr());
         const auto* src_bytes = static_cast<const char*>(src.data_ptr());

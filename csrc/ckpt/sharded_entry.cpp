@@ -29,29 +29,49 @@ int64_t shard_numel(const ShardedEntry& e) {
 
 int64_t entry_numel(const ShardedEntry& e) { return (e.end < 0 ? shard_numel(e) : e.end) - e.begin; }
 
-void validate_entry(const ShardedEntry& e) {
+void validate_layout(const ShardedEntry& e) {
   const auto& s = e.spec;
   MEGATORCH_CHECK(!e.key.empty(), "checkpoint entry: expected a key, got an empty one");
+  // Each check guards the arithmetic after it: world or parts of 0 would divide by zero,
+  // a partition dim beyond the rank would index past the shape.
   MEGATORCH_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world && s.parts >= 1, "checkpoint entry '", e.key,
                   "': expected 0 <= rank < world and parts >= 1, got rank ", s.rank, ", world ", s.world, ", parts ",
                   s.parts);
-  MEGATORCH_CHECK(s.partition_dim < static_cast<int64_t>(s.full_shape.size()), "checkpoint entry '", e.key,
-                  "': partition dim ", s.partition_dim, " outside the shape ", c10::IntArrayRef(s.full_shape));
-  for (int64_t d : s.full_shape) MEGATORCH_CHECK(d >= 0, "checkpoint entry '", e.key, "': negative size in ", c10::IntArrayRef(s.full_shape));
-  int64_t numel = 0;
-  try {
-    numel = shard_numel(e);
-  } catch (const c10::Error& err) {
-    MEGATORCH_FAIL("checkpoint entry '", e.key, "': ", err.what_without_backtrace());
+  MEGATORCH_CHECK(s.partition_dim >= -1 && s.partition_dim < static_cast<int64_t>(s.full_shape.size()),
+                  "checkpoint entry '", e.key, "': expected a partition dim of -1 (replicated) or a dim of the shape ",
+                  c10::IntArrayRef(s.full_shape), ", got ", s.partition_dim);
+  int64_t total = 1;
+  for (int64_t d : s.full_shape) {
+    MEGATORCH_CHECK(d >= 0, "checkpoint entry '", e.key, "': expected sizes >= 0, got the shape ",
+                    c10::IntArrayRef(s.full_shape));
+    MEGATORCH_CHECK(!__builtin_mul_overflow(total, d, &total), "checkpoint entry '", e.key, "': the shape ",
+                    c10::IntArrayRef(s.full_shape), " has more elements than an int64 counts");
   }
+  if (s.partition_dim >= 0) {
+    // world x parts must divide the partitioned size; computed without overflow so a huge
+    // world cannot wrap around into a divisor.
+    int64_t split = 0;
+    const int64_t size = s.full_shape[s.partition_dim];
+    MEGATORCH_CHECK(!__builtin_mul_overflow(s.world, s.parts, &split) && size % split == 0, "checkpoint entry '",
+                    e.key, "': expected dim ", s.partition_dim, " of ", c10::IntArrayRef(s.full_shape),
+                    " to be divisible by world x parts = ", s.world, " x ", s.parts);
+  }
+  const int64_t numel = shard_numel(e);
+  MEGATORCH_CHECK(e.end >= -1, "checkpoint entry '", e.key, "': expected end >= 0 (or -1: the whole shard), got ",
+                  e.end);
   const int64_t end = e.end < 0 ? numel : e.end;
   MEGATORCH_CHECK(e.begin >= 0 && e.begin <= end && end <= numel, "checkpoint entry '", e.key,
                   "': expected a range inside the shard's ", numel, " elements, got [", e.begin, ", ", end, ")");
-  MEGATORCH_CHECK(e.valid_rows < 0 || (!s.full_shape.empty() && e.valid_rows <= s.full_shape[0]), "checkpoint entry '",
-                  e.key, "': valid_rows ", e.valid_rows, " exceeds the padded rows ",
-                  s.full_shape.empty() ? 0 : s.full_shape[0]);
+  MEGATORCH_CHECK(e.valid_rows >= -1 && (e.valid_rows < 0 || (!s.full_shape.empty() && e.valid_rows <= s.full_shape[0])),
+                  "checkpoint entry '", e.key, "': expected valid_rows -1 (no padding) or 0..", 
+                  s.full_shape.empty() ? 0 : s.full_shape[0], " (the padded rows), got ", e.valid_rows);
+}
+
+void validate_entry(const ShardedEntry& e) {
+  validate_layout(e);
+  const int64_t end = e.end < 0 ? shard_numel(e) : e.end;
   MEGATORCH_CHECK(e.tensor.defined() && e.tensor.numel() == end - e.begin, "checkpoint entry '", e.key,
-                  "': expected a tensor of ", end - e.begin, " elements (shard ", c10::IntArrayRef(tp::shard_shape(s)),
+                  "': expected a tensor of ", end - e.begin, " elements (shard ", c10::IntArrayRef(tp::shard_shape(e.spec)),
                   ", range [", e.begin, ", ", end, ")), got ",
                   e.tensor.defined() ? c10::str(e.tensor.sizes()) : std::string("an undefined tensor"));
 }

@@ -39,7 +39,12 @@ std::vector<int64_t> logical_shape(const ShardedEntry& e);
 // Elements in the TP shard, and in the entry (end - begin).
 int64_t shard_numel(const ShardedEntry& e);
 int64_t entry_numel(const ShardedEntry& e);
-// Checks the spec, the range and the tensor's element count, naming the key.
+// Checks the spec (rank < world, parts >= 1, partition dim -1 or inside the shape, sizes
+// >= 0 without int64 overflow, divisibility), the range and valid_rows, naming the key:
+// what shard_numel and entry_runs need to be safe. Load runs it on every saved piece
+// described by metadata.json before using it.
+void validate_layout(const ShardedEntry& e);
+// validate_layout, and the tensor's element count.
 void validate_entry(const ShardedEntry& e);
 // The entry's elements as runs over the logical tensor, ascending in both indices;
 // padding rows are left out.
