@@ -56,7 +56,8 @@ void agree(Ranks& r, const std::optional<std::string>& error, const std::string&
     r.group->all_reduce(flag, comm::ReduceOp::kMax);
     failed = flag.item<int64_t>();
   }
-  if (error) MEGATORCH_FAIL(*error);
+  // The captured message already starts with "megatorch: "; don't say it twice.
+  if (error) MEGATORCH_FAIL(error->rfind("megatorch: ", 0) == 0 ? error->substr(11) : *error);
   MEGATORCH_CHECK(failed == 0, what, " failed on another rank (its error says why); nothing was changed here");
 }
 

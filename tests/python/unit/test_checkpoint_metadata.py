@@ -7,6 +7,7 @@ a RuntimeError that leaves every parameter byte-identical (validation is part of
 before the first copy).
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,9 @@ import pytest
 import torch
 
 import megatorch.cpp as mt
+
+BIN = os.environ.get("MEGATORCH_BIN_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "..", "build", "bin"))
+CLI = os.path.join(BIN, "megatorch-hf")
 
 CONFIG = dict(hidden_size=32, num_attention_heads=4, num_layers=1, seq_length=8, vocab_size=64)
 KEY = "model/embedding.weight"  # partitioned along dim 0, padded rows: every field matters
@@ -130,3 +134,18 @@ def test_damaged_metadata_leaves_the_weights_unchanged(saved, tmp_path, mutation
     for name, p in before.items():
         # Byte-identical: the same bits, not merely close values.
         assert torch.equal(after[name].detach().view(torch.uint8), p.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("case", ["world_0", "latest_word"])
+def test_a_tool_reports_damaged_metadata_in_one_line(saved, tmp_path, case):
+    # megatorch-hf export --load goes through load_checkpoint: exit 1, the message once,
+    # no C++ backtrace.
+    mutation, named = next(c[1:] for c in CASES if c[0] == case)
+    ckpt = damaged(saved, tmp_path, mutation)
+    out = subprocess.run([CLI, "export", "--load", str(ckpt), "--hf-dir", str(tmp_path / "hf")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, f"status {out.returncode}\n{out.stderr}"
+    for word in named:
+        assert word in out.stderr, f"{word!r} not in\n{out.stderr}"
+    assert "Exception raised from" not in out.stderr, out.stderr
+    assert "megatorch: megatorch:" not in out.stderr, out.stderr
