@@ -1,5 +1,7 @@
 #include "megatorch/data/gpt_datasets.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 
@@ -91,24 +93,36 @@ DataBlend parse_data_path(const std::vector<std::string>& tokens) {
 }
 
 SplitMatrix parse_split(const std::string& split) {
+  // Megatron's forms: "969,30,1", "969/30/1" or one number, spaces allowed around the
+  // shares. Each share is plain decimal digits: a sign or an exponent ("-1", "+1", "1e2")
+  // is refused by name rather than read as separators or passed to strtod.
+  const auto is_space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  const char sep = split.find(',') != std::string::npos ? ',' : '/';
   std::vector<double> v;
-  for (size_t i = 0; i < split.size();) {
-    if (!(std::isdigit(static_cast<unsigned char>(split[i])) || split[i] == '.')) {
-      ++i;
-      continue;
-    }
-    size_t j = i;
-    while (j < split.size() && (std::isdigit(static_cast<unsigned char>(split[j])) || split[j] == '.')) ++j;
-    const auto num = parse_number(split.substr(i, j - i));
-    MEGATORCH_CHECK(num.has_value(), "--split \"", split, "\": \"", split.substr(i, j - i), "\" is not a number");
+  const bool blank = std::all_of(split.begin(), split.end(), is_space);
+  for (size_t i = 0; !blank && i <= split.size();) {
+    size_t j = split.find(sep, i);
+    if (j == std::string::npos) j = split.size();
+    size_t b = i, e = j;
+    while (b < e && is_space(split[b])) ++b;
+    while (e > b && is_space(split[e - 1])) --e;
+    const std::string share = split.substr(b, e - b);
+    const auto is_digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
+    const bool plain = std::any_of(share.begin(), share.end(), is_digit) &&
+                       std::all_of(share.begin(), share.end(), [&](char c) { return is_digit(c) || c == '.'; }) &&
+                       std::count(share.begin(), share.end(), '.') <= 1;
+    const auto num = plain ? parse_number(share) : std::nullopt;
+    MEGATORCH_CHECK(num.has_value(), "--split \"", split, "\": \"", share, "\" is not a number of the form DIGITS[.DIGITS] ",
+                    "(no sign, no exponent); expected 1 to 3 comma-separated non-negative shares, e.g. 969,30,1");
     v.push_back(*num);
-    i = j;
+    i = j + 1;
   }
   MEGATORCH_CHECK(!v.empty() && v.size() <= 3, "--split \"", split,
                   "\": expected 1 to 3 comma-separated shares (train,valid,test), e.g. 969,30,1");
   v.resize(3, 0.0);
   const double sum = (v[0] + v[1]) + v[2];
-  MEGATORCH_CHECK(sum > 0, "--split \"", split, "\": the shares sum to 0");
+  MEGATORCH_CHECK(sum > 0 && std::isfinite(sum), "--split \"", split, "\": the shares sum to ", sum,
+                  "; expected a positive finite sum, e.g. 969,30,1");
   SplitMatrix m;
   double begin = 0.0;
   for (int s = 0; s < 3; ++s) {

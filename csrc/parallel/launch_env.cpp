@@ -1,5 +1,6 @@
 #include "megatorch/parallel/launch_env.h"
 
+#include <cerrno>
 #include <cstdlib>
 #include <string>
 
@@ -68,10 +69,16 @@ LaunchEnv LaunchEnv::from_environment() {
 std::chrono::milliseconds default_comm_timeout() {
   const char* v = getenv_or_null("MEGATORCH_COMM_TIMEOUT_S");
   if (!v) return std::chrono::minutes(10);
+  // At least 1 ms (a smaller one truncates to 0, which the backends read as no timeout),
+  // at most ~2 years (6e7 s) so the nanoseconds NCCL's watchdog counts in fit int64; strtod
+  // alone would take "inf" and "nan".
+  constexpr double kMaxSeconds = 6e7;
   char* end = nullptr;
+  errno = 0;
   const double s = std::strtod(v, &end);
-  MEGATORCH_CHECK(end != v && *end == '\0' && s > 0, "expected MEGATORCH_COMM_TIMEOUT_S to be a positive number of ",
-                  "seconds, got '", v, "'");
+  MEGATORCH_CHECK(end != v && *end == '\0' && errno == 0 && s >= 1e-3 && s <= kMaxSeconds,
+                  "expected MEGATORCH_COMM_TIMEOUT_S to be a number of seconds in [0.001, ", kMaxSeconds, "], got '", v,
+                  "'; unset it for the default (10 minutes, or --distributed-timeout-minutes)");
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
 }
 

@@ -3,10 +3,13 @@
 #include <CLI/CLI.hpp>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
+#include <string>
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/gpt_checkpoint.h"
+#include "megatorch/data/gpt_datasets.h"
 #include "megatorch/data/preprocess.h"
 #include "megatorch/data/tokenizer_flags.h"
 
@@ -181,6 +184,10 @@ int64_t resolve_vocab_size(TrainArguments& a) {
   const bool library = t.tokenizer_type() != "ByteLevel" && t.tokenizer_type() != "PreTokenized";
   if (!library) {
     if (t.tokenizer_type() == "ByteLevel" && a.vocab_size == 0) a.vocab_size = data::kByteLevelVocabSize;
+    MEGATORCH_CHECK(t.tokenizer_type() != "ByteLevel" || a.vocab_size >= data::kByteLevelVocabSize,
+                    "gpt_pretrain: the model's vocabulary (", a.vocab_size, a.use_checkpoint_args ? ", from the checkpoint"
+                    : ", --vocab-size", ") is smaller than the ByteLevel tokenizer's ", data::kByteLevelVocabSize,
+                    " ids; give the model's tokenizer with --tokenizer-type, or a larger --vocab-size");
     MEGATORCH_CHECK(a.vocab_size > 0, "gpt_pretrain: --tokenizer-type PreTokenized needs --vocab-size (the ids' "
                     "vocabulary), got ", a.vocab_size);
     return t.tokenizer_type() == "ByteLevel" ? data::kByteLevelEod : t.eod_id();
@@ -195,11 +202,87 @@ int64_t resolve_vocab_size(TrainArguments& a) {
   return tokenizer->eod();
 }
 
+namespace {
+
+// The largest --distributed-timeout-minutes (about two years): far beyond any real wait,
+// and small enough that the timeout in nanoseconds (as NCCL's watchdog keeps it) fits int64.
+constexpr double kMaxTimeoutMinutes = 1e6;
+
+// Range checks written so that NaN fails them (every comparison with NaN is false).
+void check_at_least(const char* flag, int64_t v, int64_t least) {
+  MEGATORCH_CHECK(v >= least, "gpt_pretrain: expected --", flag, " >= ", least, ", got ", v);
+}
+void check_non_negative(const char* flag, double v) {
+  MEGATORCH_CHECK(std::isfinite(v) && v >= 0, "gpt_pretrain: expected --", flag, " to be a finite number >= 0, got ", v);
+}
+void check_positive(const char* flag, double v) {
+  MEGATORCH_CHECK(std::isfinite(v) && v > 0, "gpt_pretrain: expected --", flag, " to be a finite number > 0, got ", v);
+}
+void check_unit_interval(const char* flag, double v) {
+  MEGATORCH_CHECK(v >= 0 && v < 1, "gpt_pretrain: expected --", flag, " in [0, 1), got ", v);
+}
+
+// Each flag on its own, by name, before anything combines them (a product of garbage
+// overflows, and a message naming two flags leaves the user to guess which was wrong).
+void check_each_flag(const TrainArguments& a) {
+  check_at_least("tensor-model-parallel-size", a.tensor_model_parallel_size, 1);
+  check_at_least("pipeline-model-parallel-size", a.pipeline_model_parallel_size, 1);
+  check_at_least("num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage, 0);
+  check_at_least("num-layers", a.num_layers, 1);
+  check_at_least("hidden-size", a.hidden_size, 1);
+  check_at_least("ffn-hidden-size", a.ffn_hidden_size, 0);
+  check_at_least("num-attention-heads", a.num_attention_heads, 1);
+  check_at_least("num-query-groups", a.num_query_groups, 0);
+  check_at_least("seq-length", a.seq_length, 1);
+  check_at_least("max-position-embeddings", a.max_position_embeddings, 0);
+  check_at_least("make-vocab-size-divisible-by", a.make_vocab_size_divisible_by, 1);
+  check_positive("rotary-base", a.rotary_base);
+  check_positive("norm-epsilon", a.norm_epsilon);
+  check_non_negative("init-method-std", a.init_method_std);
+  check_unit_interval("hidden-dropout", a.hidden_dropout);
+  check_unit_interval("attention-dropout", a.attention_dropout);
+  check_at_least("micro-batch-size", a.micro_batch_size, 1);
+  MEGATORCH_CHECK(a.global_batch_size >= 0, "gpt_pretrain: expected --global-batch-size >= 1 (or 0: --micro-batch-size x "
+                  "data-parallel size), got ", a.global_batch_size);
+  check_at_least("train-iters", a.train_iters, 0);
+  check_non_negative("lr", a.lr);
+  check_non_negative("min-lr", a.min_lr);
+  check_at_least("lr-warmup-iters", a.lr_warmup_iters, 0);
+  MEGATORCH_CHECK(a.lr_decay_iters >= 0, "gpt_pretrain: expected --lr-decay-iters >= 1 (or 0: --train-iters), got ",
+                  a.lr_decay_iters);
+  check_non_negative("weight-decay", a.weight_decay);
+  check_unit_interval("adam-beta1", a.adam_beta1);
+  check_unit_interval("adam-beta2", a.adam_beta2);
+  check_positive("adam-eps", a.adam_eps);
+  MEGATORCH_CHECK(std::isfinite(a.clip_grad) && a.clip_grad >= 0, "gpt_pretrain: expected --clip-grad to be a finite "
+                  "number >= 0 (0: no clipping), got ", a.clip_grad);
+  check_positive("initial-loss-scale", a.initial_loss_scale);
+  check_at_least("loss-scale-window", a.loss_scale_window, 1);
+  check_at_least("hysteresis", a.hysteresis, 1);
+  check_at_least("save-interval", a.save_interval, 0);
+  check_at_least("eval-interval", a.eval_interval, 0);
+  check_at_least("eval-iters", a.eval_iters, 0);
+  check_at_least("log-interval", a.log_interval, 1);
+  // 0 means "the default"; otherwise at least a millisecond, the timeout's resolution (a
+  // smaller one truncates to 0 ms, which the backends read as "no timeout" or "now").
+  const double t = a.distributed_timeout_minutes;
+  MEGATORCH_CHECK(t == 0 || (t * 60e3 >= 1 && t <= kMaxTimeoutMinutes),
+                  "gpt_pretrain: expected --distributed-timeout-minutes to be 0 (MEGATORCH_COMM_TIMEOUT_S, else 10) or a "
+                  "finite number of minutes in [1 ms = ", 1.0 / 60e3, ", ", kMaxTimeoutMinutes, "], got ", t);
+  // The shares' syntax, here rather than when the datasets are built (after connecting).
+  data::parse_split(a.split);
+}
+
+}  // namespace
+
 void validate(TrainArguments& a, int64_t world) {
+  check_each_flag(a);
   const int64_t tp = a.tensor_model_parallel_size, pp = a.pipeline_model_parallel_size;
-  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && world % (tp * pp) == 0, "gpt_pretrain: expected tensor x pipeline parallel size (",
-                  tp, " x ", pp, " = ", tp * pp, ") to divide the world size ", world,
-                  "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
+  // Divided rather than multiplied: tp x pp of two huge sizes overflows int64.
+  const bool fits = tp <= world && pp <= world / tp;
+  MEGATORCH_CHECK(fits && world % (tp * pp) == 0, "gpt_pretrain: expected tensor x pipeline parallel size (", tp, " x ", pp,
+                  fits ? " = " + std::to_string(tp * pp) : std::string(" > world size"), ") to divide the world size ",
+                  world, "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
   a.world_size = world;
   MEGATORCH_CHECK(a.rotary_percent == 1.0, "gpt_pretrain: --rotary-percent ", a.rotary_percent,
                   " is not supported: megatorch's RoPE rotates the whole head (1.0)");
@@ -208,13 +291,12 @@ void validate(TrainArguments& a, int64_t world) {
   MEGATORCH_CHECK(a.vocab_size >= 1, "gpt_pretrain: expected --vocab-size >= 1, got ", a.vocab_size);
   a.data_parallel_size = world / (tp * pp);
   const int64_t dp = a.data_parallel_size;
-  MEGATORCH_CHECK(a.distributed_timeout_minutes >= 0, "gpt_pretrain: expected --distributed-timeout-minutes >= 0, got ",
-                  a.distributed_timeout_minutes);
   MEGATORCH_CHECK(!(a.bf16 && a.fp16), "gpt_pretrain: --bf16 and --fp16 contradict each other; pick one");
   MEGATORCH_CHECK(!a.sequence_parallel || tp > 1,
                   "gpt_pretrain: --sequence-parallel needs --tensor-model-parallel-size > 1, got ", tp);
-  MEGATORCH_CHECK(a.micro_batch_size >= 1 && a.train_iters >= 0, "gpt_pretrain: expected --micro-batch-size >= 1 and "
-                  "--train-iters >= 0, got ", a.micro_batch_size, " and ", a.train_iters);
+  // micro x dp below cannot overflow: dp <= world, and the check keeps the product in range.
+  MEGATORCH_CHECK(a.micro_batch_size <= std::numeric_limits<int64_t>::max() / dp, "gpt_pretrain: --micro-batch-size ",
+                  a.micro_batch_size, " x data-parallel size ", dp, " overflows; expected a batch that fits in memory");
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * dp;
   MEGATORCH_CHECK(a.global_batch_size % (a.micro_batch_size * dp) == 0, "gpt_pretrain: expected --global-batch-size (",
                   a.global_batch_size, ") to be a multiple of --micro-batch-size x data-parallel size (", a.micro_batch_size,
@@ -247,8 +329,6 @@ void validate(TrainArguments& a, int64_t world) {
                   "gpt_pretrain: --group-query-attention needs --num-query-groups");
   MEGATORCH_CHECK(a.lr >= 0 && a.min_lr >= 0 && a.min_lr <= a.lr, "gpt_pretrain: expected 0 <= --min-lr <= --lr, got ",
                   a.min_lr, " and ", a.lr);
-  MEGATORCH_CHECK(a.log_interval >= 1 && a.eval_iters >= 0 && a.save_interval >= 0 && a.eval_interval >= 0,
-                  "gpt_pretrain: expected --log-interval >= 1 and non-negative --eval-iters / --save-interval / --eval-interval");
   MEGATORCH_CHECK(!a.eval_only || !a.load.empty(), "gpt_pretrain: --eval-only needs --load");
   MEGATORCH_CHECK(!a.eval_only || a.eval_iters > 0, "gpt_pretrain: --eval-only needs --eval-iters > 0, got ",
                   a.eval_iters);

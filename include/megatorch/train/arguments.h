@@ -120,8 +120,10 @@ void apply_checkpoint_args(TrainArguments& args, const nlohmann::json& model_con
 // (-1 when no tokenizer is involved).
 int64_t resolve_vocab_size(TrainArguments& args);
 
-// Checks what only makes sense together (tp·pp dividing the world, the global batch,
-// layers over stages, fp16 vs bf16, ...) and fills in the derived fields. Throws with one
+// Checks each flag's range by name (sizes, iterations, betas, dropouts, timeouts finite
+// and >= 1 ms, --split's syntax), then what only makes sense together (tp·pp dividing the
+// world, the global batch, layers over stages, fp16 vs bf16, ...) and fills in the derived
+// fields. Throws with one
 // clear message; every rank runs it on the same input, so every rank fails alike.
 void validate(TrainArguments& args, int64_t world_size);
 
