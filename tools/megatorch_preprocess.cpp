@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> json_keys{"text"};
   bool append_eod = false;
   int64_t workers = 1;
+  int64_t max_line_bytes = md::PreprocessOptions().max_line_bytes();
   app.add_option("--input", input, "JSONL file, one JSON object per line")->required();
   app.add_option("--output-prefix", output_prefix, "Writes PREFIX_KEY_document.bin/.idx for each json key")->required();
   app.add_option("--json-keys", json_keys, "Keys whose values become documents")->capture_default_str();
@@ -36,6 +37,9 @@ int main(int argc, char** argv) {
   md::add_tokenizer_options(app, tokenizer);
   app.add_option("--vocab-size", tokenizer.vocab_size(), "PreTokenized: size of the vocabulary (ids must be below it)");
   app.add_option("--workers", workers, "Threads that parse and tokenize")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--max-line-bytes", max_line_bytes, "A longer JSONL line fails with its line number")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -46,7 +50,8 @@ int main(int argc, char** argv) {
                                                             .json_keys(json_keys)
                                                             .append_eod(append_eod)
                                                             .tokenizer(tokenizer)
-                                                            .workers(workers));
+                                                            .workers(workers)
+                                                            .max_line_bytes(max_line_bytes));
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("processed %lld documents (%.2f MB) in %.2f s with %s (vocab %lld), dtype %s\n",
                 static_cast<long long>(r.lines), static_cast<double>(r.input_bytes) / 1e6, s, r.tokenizer.c_str(),

@@ -1,6 +1,7 @@
 #include "megatorch/data/gpt_dataset.h"
 
 #include <numeric>
+#include <string>
 
 #include "megatorch/check.h"
 #include "megatorch/data/numpy_random.h"
@@ -102,11 +103,16 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data, int64_t begin
   const std::vector<int32_t> sizes = data_->sequence_lengths();
   for (int64_t d = begin; d < end; ++d) tokens_per_epoch_ += sizes[static_cast<size_t>(d)];
   const int64_t requested = options_.num_samples;
+  // A split shorter than one sample (seq_length + 1 tokens) could only repeat the same few
+  // documents inside every sample, and Megatron's epoch loop runs on (forever for an empty
+  // split) to get there: refuse it at once, with the numbers, when samples are wanted.
+  MEGATORCH_CHECK(requested <= 0 || tokens_per_epoch_ >= s + 1, prefix, ": the ", split_name(options_.split),
+                  " split (sequences [", begin, ", ", end, ") of the dataset's ", data_->num_sequences(), " sequences, ",
+                  data_->num_documents(), " documents, ", data_->num_tokens(), " tokens) has ",
+                  tokens_per_epoch_ == 0 ? "no" : std::to_string(tokens_per_epoch_), " tokens, fewer than one sample of ", s + 1, " tokens (--seq-length ", s, " + 1), but ", requested,
+                  " samples were requested from it; use more data, give that split a larger share of --split, or "
+                  "lower --seq-length");
   if (tokens_per_epoch_ == 0) {
-    // Megatron would loop forever here; an empty split can only give no samples.
-    MEGATORCH_CHECK(requested <= 0, prefix, ": the ", split_name(options_.split), " split (sequences [", begin, ", ", end,
-                    ")) has no tokens, but ", requested,
-                    " samples were requested from it; give that split more weight in --split or use more data");
     num_epochs_ = 0;
     sample_index_ = {0, 0};
     return;

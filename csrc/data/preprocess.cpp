@@ -1,5 +1,6 @@
 #include "megatorch/data/preprocess.h"
 
+#include <cstring>
 #include <exception>
 #include <fstream>
 #include <memory>
@@ -132,6 +133,48 @@ bool is_blank(const std::string& line) {
   return line.find_first_not_of(" \t\r\n") == std::string::npos;
 }
 
+// Lines of a stream, read in fixed chunks so that no line is held beyond max_bytes: a line
+// without a newline in sight (a binary file, one giant document) fails with its number
+// instead of exhausting memory the way std::getline would.
+class LineReader {
+ public:
+  LineReader(std::istream& in, const std::string& name, int64_t max_bytes)
+      : in_(in), name_(name), max_bytes_(max_bytes), buf_(size_t{1} << 20) {}
+
+  // The next line without its '\n' into line; false at the end of the input. line_no
+  // (the number this line will have) is for the error message only.
+  bool next(std::string& line, int64_t line_no) {
+    line.clear();
+    bool any = false;
+    for (;;) {
+      if (pos_ == len_) {
+        in_.read(buf_.data(), static_cast<std::streamsize>(buf_.size()));
+        len_ = static_cast<size_t>(in_.gcount());
+        pos_ = 0;
+        if (len_ == 0) return any;
+      }
+      any = true;
+      const char* start = buf_.data() + pos_;
+      const auto* nl = static_cast<const char*>(std::memchr(start, '\n', len_ - pos_));
+      const size_t n = nl != nullptr ? static_cast<size_t>(nl - start) : len_ - pos_;
+      MEGATORCH_CHECK(static_cast<int64_t>(line.size() + n) <= max_bytes_, name_, " line ", line_no,
+                      " is longer than --max-line-bytes ", max_bytes_, " (", line.size() + n,
+                      " bytes read without a newline); split the document, or raise --max-line-bytes if the "
+                      "line is meant to be this long");
+      line.append(start, n);
+      pos_ += n + (nl != nullptr ? 1 : 0);
+      if (nl != nullptr) return true;
+    }
+  }
+
+ private:
+  std::istream& in_;
+  const std::string& name_;
+  int64_t max_bytes_;
+  std::vector<char> buf_;
+  size_t pos_ = 0, len_ = 0;
+};
+
 }  // namespace
 
 PreprocessReport preprocess_jsonl(const PreprocessOptions& o) {
@@ -139,6 +182,7 @@ PreprocessReport preprocess_jsonl(const PreprocessOptions& o) {
   MEGATORCH_CHECK(!o.output_prefix().empty(), "--output-prefix is required");
   MEGATORCH_CHECK(!o.json_keys().empty(), "--json-keys needs at least one key");
   MEGATORCH_CHECK(o.workers() >= 1, "--workers must be >= 1, got ", o.workers());
+  MEGATORCH_CHECK(o.max_line_bytes() >= 1, "--max-line-bytes must be >= 1, got ", o.max_line_bytes());
   std::ifstream in(o.input(), std::ios::binary);
   MEGATORCH_CHECK(in.good(), "cannot open --input ", o.input());
   const auto workers = static_cast<size_t>(o.workers());
@@ -152,6 +196,7 @@ PreprocessReport preprocess_jsonl(const PreprocessOptions& o) {
                   vocab_size, ") but the ", tokenizers[0]->name(), " tokenizer has ", eod,
                   tokenizers[0]->has_text() ? " (a HuggingFace tokenizer needs an eos_token)" : " (give --eod-id)");
   const Encoder encoder(o, vocab_size, eod);
+  LineReader reader(in, o.input(), o.max_line_bytes());
 
   PreprocessReport report;
   report.tokenizer = tokenizers[0]->name();
@@ -179,7 +224,7 @@ PreprocessReport preprocess_jsonl(const PreprocessOptions& o) {
     line_nos.clear();
     std::string line;
     while (lines.size() < batch) {
-      if (!std::getline(in, line)) {
+      if (!reader.next(line, line_no + 1)) {
         eof = true;
         break;
       }

@@ -14,6 +14,7 @@
 #include "megatorch/ckpt/gpt_checkpoint.h"
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/data/token_stats.h"
 #include "megatorch/optim/model_parameters.h"
 #include "megatorch/pipeline/timeline_svg.h"
 #include "megatorch/tp/rng_tracker.h"
@@ -156,6 +157,15 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           .split(args_.split)
           .num_samples({args_.train_iters * args_.global_batch_size, eval_runs * args_.eval_iters * args_.global_batch_size,
                         args_.eval_iters * args_.global_batch_size}));
+  // An id outside the vocabulary trains on garbage without an error (masked by every TP
+  // shard, or an infinite loss in the padding). Every rank reads the same files, so all fail alike.
+  for (const std::string& prefix : data::parse_data_path(args_.data_path).prefixes) {
+    const auto ids = data::token_id_range(prefix);
+    MEGATORCH_CHECK(ids.max_id < args_.vocab_size && ids.min_id >= 0, "gpt_pretrain: dataset ", prefix, " holds token ids in [",
+                    ids.min_id, ", ", ids.max_id, "] (largest id ", ids.max_id, ") but the vocabulary has ", args_.vocab_size,
+                    " ids [0, ", args_.vocab_size, "); pass the --vocab-size / --tokenizer-type the data was preprocessed "
+                    "with, or preprocess it again with this tokenizer");
+  }
   train_batches_ = std::make_unique<MicroBatchLoader>(*data_.train, loader_options());
   if (!args_.load.empty()) load_checkpoint();
   if (is_logging_rank()) {

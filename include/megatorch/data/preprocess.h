@@ -30,6 +30,9 @@ struct PreprocessOptions {
   TORCH_ARG(bool, append_eod) = false;
   TORCH_ARG(TokenizerOptions, tokenizer);
   TORCH_ARG(int64_t, workers) = 1;      // threads that parse and tokenize lines
+  // A longer input line fails with its line number before more of it is read, rather than
+  // growing one string until memory runs out.
+  TORCH_ARG(int64_t, max_line_bytes) = int64_t{64} << 20;
 };
 
 struct PreprocessOutput {
