@@ -20,6 +20,7 @@
 #include "megatorch/data/gpt_datasets.h"
 #include "megatorch/data/indexed_dataset.h"
 #include "megatorch/data/tokenizer_flags.h"
+#include "megatorch/io/atomic_file.h"
 
 namespace md = megatorch::data;
 using nlohmann::json;
@@ -83,13 +84,13 @@ int samples(const std::vector<std::string>& data_path, int64_t seq_length, int64
   for (md::Split s : {md::Split::kTrain, md::Split::kValid, md::Split::kTest}) {
     const auto& d = ds[s];
     const std::string name = md::split_name(s);
-    std::ofstream f(out_dir + "/" + name + ".bin", std::ios::binary);
-    MEGATORCH_CHECK(f.good(), "cannot write ", out_dir, "/", name, ".bin; does the --out directory exist?");
+    // Written aside and renamed into place: a failed dump leaves no partial file.
+    megatorch::io::AtomicFile f(out_dir + "/" + name + ".bin");
     for (int64_t i = 0; i < d->size(); ++i) {
       const at::Tensor t = d->get(i);
-      f.write(reinterpret_cast<const char*>(t.data_ptr<int64_t>()), static_cast<std::streamsize>(t.numel() * 8));
+      f.write(t.data_ptr<int64_t>(), static_cast<size_t>(t.numel()) * 8);
     }
-    MEGATORCH_CHECK(f.good(), "writing ", out_dir, "/", name, ".bin failed");
+    f.commit();
     json j{{"size", d->size()}};
     if (const auto* g = dynamic_cast<const md::GPTDataset*>(d.get())) {
       j["num_epochs"] = g->num_epochs();
@@ -103,7 +104,7 @@ int samples(const std::vector<std::string>& data_path, int64_t seq_length, int64
     }
     report[name] = j;
   }
-  std::ofstream(out_dir + "/indices.json") << report.dump() << "\n";
+  megatorch::io::write_file_atomically(out_dir + "/indices.json", report.dump() + "\n");
   std::printf("train %lld, valid %lld, test %lld samples of %lld tokens -> %s\n", static_cast<long long>(ds.train->size()),
               static_cast<long long>(ds.valid->size()), static_cast<long long>(ds.test->size()),
               static_cast<long long>(seq_length + 1), out_dir.c_str());

@@ -11,6 +11,7 @@
 #include "megatorch/ckpt/checkpoint.h"
 #include "megatorch/ckpt/gpt_checkpoint.h"
 #include "megatorch/ckpt/safetensors.h"
+#include "megatorch/io/atomic_file.h"
 
 namespace megatorch::ckpt {
 
@@ -528,8 +529,16 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
   std::vector<std::pair<std::string, at::Tensor>> hf;
   for (auto& [k, v] : to_hf_tensors(tensors, c)) hf.emplace_back(k, v);
   fs::create_directories(hf_dir);
-  write_safetensors((fs::path(hf_dir) / "model.safetensors").string(), hf, {{"format", "pt"}});
-  std::ofstream(fs::path(hf_dir) / "config.json") << hf_config_from(c, arch).dump(2) << "\n";
+  // Both written whole under temporary names before either replaces an earlier export: a
+  // failed export (a full disk) leaves the directory as it was.
+  io::AtomicFile weights((fs::path(hf_dir) / "model.safetensors").string());
+  write_safetensors(weights, hf, {{"format", "pt"}});
+  io::AtomicFile config((fs::path(hf_dir) / "config.json").string());
+  config.write(hf_config_from(c, arch).dump(2) + "\n");
+  weights.finish();
+  config.finish();
+  weights.publish();
+  config.publish();
   return {c, arch};
 }
 

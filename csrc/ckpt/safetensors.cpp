@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <set>
 #include <tuple>
@@ -86,8 +87,13 @@ at::ScalarType scalar_type_from_safetensors(const std::string& s) {
   MEGATORCH_FAIL("safetensors: unsupported dtype '", s, "'; expected one of F32, F64, F16, BF16, I64, I32, I16, I8, U8, BOOL");
 }
 
-WrittenFile write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata, bool durable) {
+namespace {
+
+// The file's bytes in order through `put` (a descriptor or an AtomicFile), so both writers
+// share one layout.
+WrittenFile write_safetensors_to(const std::function<void(const void*, size_t)>& put, const std::string& path,
+                                 const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                 const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
@@ -105,24 +111,38 @@ WrittenFile write_safetensors(const std::string& path, const std::vector<std::pa
   unsigned char len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>((len >> (8 * i)) & 0xff);
 
-  Fd f{::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
-  MEGATORCH_CHECK(f.fd >= 0, "cannot create '", path, "': ", std::strerror(errno));
   WrittenFile out;
-  write_all(f.fd, len_bytes, 8, path);
+  put(len_bytes, 8);
   out.crc32 = crc32(len_bytes, 8);
-  write_all(f.fd, text.data(), text.size(), path);
+  put(text.data(), text.size());
   out.crc32 = crc32(text.data(), text.size(), out.crc32);
   // One tensor at a time through host memory: saving device (or non-contiguous) tensors
   // holds at most one staged copy, never a second copy of the whole shard.
   for (const auto& [name, tensor] : tensors) {
     const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
     const size_t n = t.numel() * t.element_size();
-    write_all(f.fd, t.data_ptr(), n, path);
+    put(t.data_ptr(), n);
     out.crc32 = crc32(t.data_ptr(), n, out.crc32);
   }
   out.bytes = 8 + static_cast<int64_t>(len) + offset;
+  return out;
+}
+
+}  // namespace
+
+WrittenFile write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata, bool durable) {
+  Fd f{::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
+  MEGATORCH_CHECK(f.fd >= 0, "cannot create '", path, "': ", std::strerror(errno));
+  const WrittenFile out = write_safetensors_to([&](const void* p, size_t n) { write_all(f.fd, p, n, path); }, path,
+                                               tensors, metadata);
   if (durable) MEGATORCH_CHECK(::fsync(f.fd) == 0, "fsync of '", path, "' failed: ", std::strerror(errno));
   return out;
+}
+
+WrittenFile write_safetensors(io::AtomicFile& file, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  return write_safetensors_to([&](const void* p, size_t n) { file.write(p, n); }, file.path(), tensors, metadata);
 }
 
 SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) {

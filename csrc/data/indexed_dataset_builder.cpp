@@ -30,11 +30,6 @@ void append_as(std::vector<uint8_t>& buf, const int64_t* tokens, int64_t count, 
   }
 }
 
-void write_all(std::FILE* f, const void* data, size_t bytes, const std::string& path) {
-  if (bytes == 0) return;
-  MEGATORCH_CHECK(std::fwrite(data, 1, bytes, f) == bytes, "writing ", path, " failed: ", std::strerror(errno));
-}
-
 at::Tensor as_long_1d(const at::Tensor& tokens) {
   MEGATORCH_CHECK(tokens.dim() <= 1, "expected a 1-D tensor of token ids, got shape ", tokens.sizes());
   return tokens.to(at::kCPU).to(at::kLong).contiguous().reshape({-1});
@@ -44,14 +39,10 @@ at::Tensor as_long_1d(const at::Tensor& tokens) {
 
 IndexedDatasetBuilder::IndexedDatasetBuilder(std::string bin_path, DType dtype) : bin_path_(std::move(bin_path)), dtype_(dtype) {
   MEGATORCH_CHECK(is_valid_dtype_code(static_cast<int>(dtype)), "unknown dtype code ", static_cast<int>(dtype));
-  bin_ = std::fopen(bin_path_.c_str(), "wb");
-  MEGATORCH_CHECK(bin_ != nullptr, "cannot create ", bin_path_, ": ", std::strerror(errno),
-                  "; check that the output directory exists and is writable");
+  bin_ = std::make_unique<io::AtomicFile>(bin_path_);
 }
 
-IndexedDatasetBuilder::~IndexedDatasetBuilder() {
-  if (bin_ != nullptr) std::fclose(bin_);
-}
+IndexedDatasetBuilder::~IndexedDatasetBuilder() = default;
 
 void IndexedDatasetBuilder::check_open() const {
   MEGATORCH_CHECK(bin_ != nullptr, bin_path_, ": the builder was finalized; create a new one to write more");
@@ -70,7 +61,7 @@ void IndexedDatasetBuilder::write_tokens(const int64_t* tokens, int64_t count) {
     case DType::kFloat32: append_as<float>(buffer_, tokens, count, bin_path_); break;
     case DType::kFloat64: append_as<double>(buffer_, tokens, count, bin_path_); break;
   }
-  write_all(bin_, buffer_.data(), buffer_.size(), bin_path_);
+  bin_->write(buffer_.data(), buffer_.size());
 }
 
 void IndexedDatasetBuilder::add_item(const int64_t* tokens, int64_t count) {
@@ -117,17 +108,15 @@ void IndexedDatasetBuilder::add_index(const std::string& path_prefix) {
   for (int64_t j = 1; j <= other.num_documents(); ++j) doc_index_.push_back(base + other.document_index(j));
   // Copy the .bin verbatim: the tokens are already in this dtype.
   const MappedFile src(bin_path(path_prefix));
-  write_all(bin_, src.data(), static_cast<size_t>(src.size()), bin_path_);
+  bin_->write(src.data(), static_cast<size_t>(src.size()));
 }
 
 void IndexedDatasetBuilder::finalize(const std::string& idx_path) {
   check_open();
-  const int close_rc = std::fclose(bin_);
-  bin_ = nullptr;
-  MEGATORCH_CHECK(close_rc == 0, "closing ", bin_path_, " failed: ", std::strerror(errno));
-
-  std::FILE* f = std::fopen(idx_path.c_str(), "wb");
-  MEGATORCH_CHECK(f != nullptr, "cannot create ", idx_path, ": ", std::strerror(errno));
+  // Taken out first: whatever happens below, the builder is finalized (and on an error the
+  // temporary files are removed when these go out of scope).
+  const std::unique_ptr<io::AtomicFile> bin = std::move(bin_);
+  io::AtomicFile idx(idx_path);
   std::vector<uint8_t> out;
   auto put = [&out](const void* p, size_t n) {
     const auto* b = static_cast<const uint8_t*>(p);
@@ -150,10 +139,15 @@ void IndexedDatasetBuilder::finalize(const std::string& idx_path) {
     ptr += static_cast<int64_t>(len) * item;
   }
   put(doc_index_.data(), 8 * d);
-  const bool ok = std::fwrite(out.data(), 1, out.size(), f) == out.size();
-  const int err = errno;
-  const bool closed = std::fclose(f) == 0;
-  MEGATORCH_CHECK(ok && closed, "writing ", idx_path, " failed: ", std::strerror(err));
+  idx.write(out.data(), out.size());
+  // Both complete and fsync'd before either replaces an old file. Between the two renames
+  // (microseconds) a reader could pair the new .bin with the old .idx; the .idx goes last
+  // so that its appearance means the pair is whole, and only a crash in that window leaves
+  // the mismatch (rerun the build).
+  bin->finish();
+  idx.finish();
+  bin->publish();
+  idx.publish();
 }
 
 }  // namespace megatorch::data

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/io/atomic_file.h"
 
 namespace megatorch::pipeline {
 
@@ -187,11 +188,8 @@ std::string timeline_svg(const std::vector<TimelineRecord>& records, const Timel
 void write_timeline_svg(const std::string& path, const std::vector<TimelineRecord>& records,
                         const TimelineSvgOptions& options) {
   const std::string svg = timeline_svg(records, options);
-  std::ofstream out(path, std::ios::binary);
-  MEGATORCH_CHECK(out.good(), "could not open '", path, "' to write the timeline SVG; check the directory exists");
-  out << svg;
-  out.close();
-  MEGATORCH_CHECK(!out.fail(), "could not write the timeline SVG to '", path, "' (disk full?)");
+  // Atomic: a viewer (or a rerun's reader) never sees half an SVG; errors name the file.
+  io::write_file_atomically(path, svg);
 }
 
 }  // namespace megatorch::pipeline

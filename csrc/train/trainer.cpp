@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -183,7 +185,11 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
                 eod_);
     std::fflush(stdout);
     // A resumed run appends to the log of the run it continues.
-    if (!args_.log_json.empty()) json_.open(args_.log_json, iteration_ > 0 ? std::ios::app : std::ios::trunc);
+    if (!args_.log_json.empty()) {
+      json_.open(args_.log_json, iteration_ > 0 ? std::ios::app : std::ios::trunc);
+      MEGATORCH_CHECK(json_.is_open(), "cannot open the --log-json file '", args_.log_json, "': ", std::strerror(errno),
+                      "; check that its directory exists and is writable");
+    }
   }
 }
 
@@ -277,6 +283,10 @@ void Trainer::log(const IterationStats& s, const std::map<std::string, int64_t>&
     if (last_val_loss_ >= 0) j["val_loss"] = last_val_loss_;
     json_ << j.dump() << "\n";
     json_.flush();
+    // An append-only log is not renamed into place, but a lost line (a full disk) must
+    // stop the run rather than leave a silently truncated log.
+    MEGATORCH_CHECK(json_.good(), "writing the --log-json file '", args_.log_json, "' failed: ", std::strerror(errno),
+                    "; free space (or raise the file size limit) and resume from the last checkpoint");
   }
   if (s.iteration % args_.log_interval == 0 || s.iteration == args_.train_iters) {
     std::printf("\r [%s] iteration %6ld/%6ld | consumed samples: %9ld | elapsed time per iteration (ms): %.1f | "
@@ -298,7 +308,11 @@ IterationStats Trainer::train() {
     if (is_logging_rank()) {
       // Full precision: resharded checkpoints are compared by this number.
       std::printf("[megatorch] validation loss at iteration %ld: %.12E\n", iteration_, last_val_loss_);
-      if (json_.is_open()) json_ << nlohmann::json{{"iteration", iteration_}, {"val_loss", last_val_loss_}}.dump() << "\n";
+      if (json_.is_open()) {
+        json_ << nlohmann::json{{"iteration", iteration_}, {"val_loss", last_val_loss_}}.dump() << "\n";
+        json_.flush();
+        MEGATORCH_CHECK(json_.good(), "writing the --log-json file '", args_.log_json, "' failed: ", std::strerror(errno));
+      }
     }
     return last;
   }

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "megatorch/io/atomic_file.h"
+
 namespace megatorch::ckpt {
 
 // "F32", "BF16", "I64", ... (the safetensors names) and back.
@@ -27,6 +29,10 @@ struct WrittenFile {
 // `durable`, the file is fsync'd before returning, so a later rename publishes it whole.
 WrittenFile write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                               const std::map<std::string, std::string>& metadata = {}, bool durable = true);
+// The same bytes into `file` (not committed: the caller commit()s, e.g. after writing the
+// files that go with it).
+WrittenFile write_safetensors(io::AtomicFile& file, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
 
 struct TensorInfo {
   at::ScalarType dtype = at::kFloat;

@@ -4,14 +4,18 @@
 // the .bin as they come, and finalize() writes the .idx. Unlike Megatron, a token that does
 // not fit the dtype is an error rather than silently wrapped. Byte order is the host's, as
 // with numpy: little-endian on every machine megatorch targets.
+// Both files are written under temporary names (io::AtomicFile) and renamed into place only
+// by finalize(), once both are complete: a failed or abandoned build leaves an existing
+// dataset of the same name untouched.
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "megatorch/data/indexed_dataset.h"
+#include "megatorch/io/atomic_file.h"
 
 namespace megatorch::data {
 
@@ -33,7 +37,8 @@ class IndexedDatasetBuilder {
   void add_document(const int64_t* tokens, const std::vector<int64_t>& lengths);
   // Appends a whole existing dataset of the same dtype (Megatron's merge of shards).
   void add_index(const std::string& path_prefix);
-  // Closes the .bin and writes the .idx; the builder takes nothing after this.
+  // Completes the .bin, writes the .idx, then renames both into place; the builder takes
+  // nothing after this. Destroyed without finalize(), it removes its temporary files.
   void finalize(const std::string& idx_path);
 
   int64_t num_sequences() const { return static_cast<int64_t>(lengths_.size()); }
@@ -45,7 +50,7 @@ class IndexedDatasetBuilder {
 
   std::string bin_path_;
   DType dtype_;
-  std::FILE* bin_ = nullptr;
+  std::unique_ptr<io::AtomicFile> bin_;
   std::vector<int32_t> lengths_;
   std::vector<int64_t> doc_index_{0};
   std::vector<uint8_t> buffer_;
