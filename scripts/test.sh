@@ -2,7 +2,30 @@
 # The README's test command: setup, configure, build, then every test through CTest
 # (Catch2 single- and multi-rank under torchrun, pytest, the find_package consumer).
 # Exits non-zero when anything fails.
+# --sanitize (first argument): instead, the tests that parse files under AddressSanitizer and
+# UndefinedBehaviorSanitizer, from build-sanitize/ (scripts/build.sh --sanitize); not part of
+# the default run.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+if [[ "${1:-}" == "--sanitize" ]]; then
+  shift
+  start=$(date +%s)
+  "$MT_ROOT/scripts/setup.sh"
+  "$MT_ROOT/scripts/build.sh" --sanitize
+  SAN_BUILD="${MEGATORCH_SANITIZE_BUILD_DIR:-$MT_ROOT/build-sanitize}"
+  export OMP_NUM_THREADS=1 MEGATORCH_COMM_TIMEOUT_S=60 MEGATORCH_BIN_DIR="$SAN_BUILD/bin"
+  # Leak checking is off: libtorch's process-lifetime allocations would be reported.
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:protect_shadow_gap=0:abort_on_error=1}"
+  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+  status=0
+  mt_log "sanitized: megatorch_unit_tests [data],[loader],[safetensors],[tokenizer]"
+  "$SAN_BUILD/bin/megatorch_unit_tests" "[data],[loader],[safetensors],[tokenizer]" "$@" || status=1
+  # The checkpoint tests need two ranks (TP2 saves, other layouts load; damaged shards).
+  mt_log "sanitized: megatorch_mp_tests [ckpt] on 2 ranks"
+  "$(mt_python)" -m torch.distributed.run --standalone --nproc-per-node=2 --no-python \
+    "$SAN_BUILD/bin/megatorch_mp_tests" "[ckpt]" || status=1
+  mt_log "sanitized build + tests took $(( $(date +%s) - start )) s"
+  exit $status
+fi
 start=$(date +%s)
 "$MT_ROOT/scripts/setup.sh"
 "$MT_ROOT/scripts/build.sh"
