@@ -2,8 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -32,6 +35,9 @@ namespace {
 
 constexpr const char* kLatest = "latest_checkpointed_iteration.txt";
 constexpr const char* kMetadata = "metadata.json";
+// Held by the coordinating rank for a whole save: two savers into one directory would
+// clear and replace each other's temporary directories and shards.
+constexpr const char* kSaveLock = ".megatorch_save.lock";
 constexpr int kFormatVersion = 1;
 
 // ---- the group ("" = one process)
@@ -130,6 +136,149 @@ void remove_tree(const fs::path& path) {
   MEGATORCH_CHECK(::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0, "cannot remove '", path.string(),
                   "': ", std::strerror(errno));
 }
+
+// ---- the directory's iterations, leftovers of failed saves, and the save lock
+
+// "iter_0000100" -> 100; nullopt for any other name (iter_0000100.tmp, .old, ...).
+std::optional<int64_t> parse_iteration_dirname(const std::string& name) {
+  if (name.rfind("iter_", 0) != 0) return std::nullopt;
+  const std::string digits = name.substr(5);
+  if (digits.empty() || digits.size() > 18) return std::nullopt;
+  if (!std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c) != 0; })) {
+    return std::nullopt;
+  }
+  return std::stoll(digits);
+}
+
+// A published iteration: its directory with metadata.json, which is written last.
+bool complete_iteration(const fs::path& dir) {
+  return fs::is_directory(dir) && fs::is_regular_file(dir / kMetadata);
+}
+
+// The names in `dir` (readdir: libtorch carries its own copies of some std::filesystem
+// symbols, see remove_tree).
+std::vector<std::string> list_dir(const fs::path& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (const struct dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") out.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The newest complete iteration in `dir` other than `except`; -1 when none.
+int64_t newest_complete_iteration(const fs::path& dir, int64_t except) {
+  int64_t best = -1;
+  for (const auto& name : list_dir(dir)) {
+    const auto it = parse_iteration_dirname(name);
+    if (it && *it != except && *it > best && complete_iteration(dir / name)) best = *it;
+  }
+  return best;
+}
+
+// What failed saves leave, cleared by the writing rank under the save lock (so no live
+// saver owns any of it): iter_*.tmp* directories (a save killed before its rename), and
+// iter_*.old (a replaced iteration killed between its two renames; put back in place
+// when the new one never arrived, since `latest` may name it).
+void clear_failed_saves(const fs::path& root) {
+  for (const auto& name : list_dir(root)) {
+    if (name.rfind("iter_", 0) != 0) continue;
+    const fs::path path = root / name;
+    if (name.find(".tmp") != std::string::npos) {
+      remove_tree(path);
+    } else if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
+               parse_iteration_dirname(name.substr(0, name.size() - 4))) {
+      const fs::path published = root / name.substr(0, name.size() - 4);
+      if (!fs::exists(fs::symlink_status(published)) && complete_iteration(path)) {
+        fs::rename(path, published);
+      } else {
+        remove_tree(path);
+      }
+    }
+  }
+}
+
+std::string host_name() {
+  char buf[256] = {0};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+// <dir>/.megatorch_save.lock, created with O_EXCL and holding {"host", "pid"} of the
+// saver; removed when the save ends, however it ends. One left by a crashed saver on
+// this host (its pid gone) is taken over; one from another host cannot be checked and
+// is refused (the message says how to clear it).
+class SaveLock {
+ public:
+  SaveLock(const fs::path& root, int64_t iteration) : path_(root / kSaveLock) {
+    const std::string mine = json{{"host", host_name()}, {"pid", static_cast<int64_t>(::getpid())},
+                                  {"iteration", iteration}}.dump() + "\n";
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd >= 0) {
+        const bool written = ::write(fd, mine.data(), mine.size()) == static_cast<ssize_t>(mine.size());
+        const bool synced = written && ::fsync(fd) == 0;
+        ::close(fd);
+        if (!synced) ::unlink(path_.c_str());
+        MEGATORCH_CHECK(synced, "save_checkpoint: cannot write the lock file '", path_.string(), "': ",
+                        std::strerror(errno), "; expected a writable checkpoint directory");
+        held_ = true;
+        return;
+      }
+      MEGATORCH_CHECK(errno == EEXIST, "save_checkpoint: cannot create the lock file '", path_.string(), "': ",
+                      std::strerror(errno), "; expected a writable checkpoint directory");
+      remove_if_stale();  // or refuse, naming the owner
+    }
+    MEGATORCH_FAIL("save_checkpoint: the lock file '", path_.string(), "' keeps coming back after removing a stale ",
+                   "one; another saver is starting in this directory. Save into another directory, or stop it");
+  }
+  ~SaveLock() {
+    if (held_) ::unlink(path_.c_str());
+  }
+  SaveLock(const SaveLock&) = delete;
+  SaveLock& operator=(const SaveLock&) = delete;
+
+ private:
+  // Removes the existing lock when its saver is gone (the caller tries again); fails
+  // naming the owner when it is live or cannot be judged.
+  void remove_if_stale() {
+    std::ifstream in(path_);
+    if (!in) return;  // removed by its owner meanwhile
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    json owner;
+    try {
+      owner = json::parse(text);
+    } catch (const std::exception&) {
+    }
+    const bool valid = owner.is_object() && owner.contains("host") && owner["host"].is_string() &&
+                       owner.contains("pid") && owner["pid"].is_number_integer() && owner["pid"].get<int64_t>() > 0;
+    // Empty or half-written: a saver that has just created it, or damage; either way not ours to remove.
+    MEGATORCH_CHECK(valid, "save_checkpoint: the lock file '", path_.string(), "' exists but holds ",
+                    json(text.substr(0, 80)).dump(-1, ' ', false, json::error_handler_t::replace),
+                    ", not a saver's host and pid (a saver creating it right now, or damage); if no save into '",
+                    path_.parent_path().string(), "' is running, remove the file");
+    const std::string host = owner["host"].get<std::string>();
+    const int64_t pid = owner["pid"].get<int64_t>();
+    const bool same_host = host == host_name();
+    const bool dead = same_host && pid <= INT32_MAX && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    if (dead) {
+      ::unlink(path_.c_str());
+      return;
+    }
+    MEGATORCH_FAIL("save_checkpoint: another save into '", path_.parent_path().string(), "' holds its lock file '",
+                   path_.string(), "' (host ", host, ", pid ", pid,
+                   same_host ? ", still running" : ", another host: cannot check whether it runs",
+                   "); two savers into one directory would delete each other's shards. Save into another ",
+                   "directory or wait for it to finish; if that process is gone, remove the lock file");
+  }
+
+  fs::path path_;
+  bool held_ = false;
+};
 
 std::string rank_filename(int64_t rank) {
   char buf[64];
@@ -325,9 +474,12 @@ json assemble_tensors(const std::vector<json>& ranks) {
   return tensors;
 }
 
-fs::path resolve_iteration_dir(const fs::path& dir, int64_t& iteration) {
+int64_t latest_iteration_noting(const std::string& dir, std::string* note);
+
+// `note`: set when `latest` named an iteration that is not there and another was chosen.
+fs::path resolve_iteration_dir(const fs::path& dir, int64_t& iteration, std::string* note = nullptr) {
   if (iteration < 0) {
-    iteration = latest_iteration(dir.string());
+    iteration = latest_iteration_noting(dir.string(), note);
     MEGATORCH_CHECK(iteration >= 0, "no checkpoint in '", dir.string(), "': expected ", kLatest,
                     " naming the last complete save; pass the directory given to save_checkpoint (--save)");
   }
@@ -370,7 +522,11 @@ std::string iteration_dirname(int64_t iteration) {
   return buf;
 }
 
-int64_t latest_iteration(const std::string& dir) {
+int64_t latest_iteration(const std::string& dir) { return latest_iteration_noting(dir, nullptr); }
+
+namespace {
+
+int64_t latest_iteration_noting(const std::string& dir, std::string* note) {
   const fs::path path = fs::path(dir) / kLatest;
   if (!fs::exists(path)) return -1;
   std::ifstream in(path);
@@ -383,8 +539,25 @@ int64_t latest_iteration(const std::string& dir) {
                   "digits, as save_checkpoint writes them), holds ", json(text.substr(0, 64)).dump(-1, ' ', false, json::error_handler_t::replace),
                   text.size() > 64 ? "..." : "", "; write the right iteration into it, or load an iteration ",
                   "explicitly");
-  return std::stoll(text);
+  const int64_t named = std::stoll(text);
+  // A save that crashed between replacing an iteration and writing `latest`, or a
+  // directory deleted by hand, leaves `latest` naming nothing loadable: fall back to the
+  // newest complete iteration rather than fail a resumable run.
+  const fs::path named_dir = fs::path(dir) / iteration_dirname(named);
+  if (complete_iteration(named_dir)) return named;
+  const char* what = fs::is_directory(named_dir) ? " has no metadata.json (an unfinished save)" : " does not exist";
+  const int64_t found = newest_complete_iteration(dir, named);
+  MEGATORCH_CHECK(found >= 0, "'", path.string(), "' names iteration ", named, ", but '", named_dir.string(), "'",
+                  what, " and '", dir, "' holds no other complete iteration directory; restore that directory, ",
+                  "or write the iteration of one that exists into '", path.string(), "'");
+  if (note != nullptr) {
+    *note = "'" + path.string() + "' names iteration " + std::to_string(named) + ", but '" + named_dir.string() + "'" +
+            what + "; using " + iteration_dirname(found) + ", the newest complete one";
+  }
+  return found;
 }
+
+}  // namespace
 
 json read_metadata(const std::string& dir, int64_t iteration) {
   const fs::path path = resolve_iteration_dir(dir, iteration) / kMetadata;
@@ -413,7 +586,10 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
   const fs::path tmp_dir = root / (iteration_dirname(iteration) + ".tmp");
   const std::string file = rank_filename(r.rank);
 
-  // 1. Check the entries; rank 0 clears what a killed save may have left behind.
+  // 1. Check the entries; rank 0, which coordinates the save, takes the directory's lock
+  // (held until this function returns, however it returns) and then clears what failed
+  // saves left behind. Failing to take the lock fails every rank through agree().
+  std::optional<SaveLock> lock;
   auto error = capture([&] {
     MEGATORCH_CHECK(iteration >= 0, "save_checkpoint: expected an iteration >= 0, got ", iteration);
     std::set<std::string> keys;
@@ -424,7 +600,8 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
     }
     if (r.rank == 0) {
       fs::create_directories(root);
-      remove_tree(tmp_dir);
+      lock.emplace(root, iteration);
+      clear_failed_saves(root);
       fs::create_directories(tmp_dir);
     }
   });
@@ -476,13 +653,26 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
     write_file_atomic(tmp_dir / kMetadata, meta.dump(1));
     fsync_dir(tmp_dir);
     const fs::path old_dir = root / (iteration_dirname(iteration) + ".old");
-    if (fs::exists(final_dir)) {  // saving the same iteration again: swap, then drop
+    if (!fs::exists(final_dir)) {
+      fs::rename(tmp_dir, final_dir);
+      fsync_dir(root);
+    } else if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      // Saving the same iteration again: one atomic swap, so the iteration `latest` may
+      // name is never missing; tmp_dir now holds the old one.
+      fsync_dir(root);
+      remove_tree(tmp_dir);
+    } else {
+      // A filesystem without the swap (NFS): two renames. A crash between them leaves
+      // only iter_N.old, which the next save puts back (clear_failed_saves) and a load
+      // meanwhile replaces by the newest complete iteration.
+      MEGATORCH_CHECK(errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP, "cannot replace '",
+                      final_dir.string(), "' by '", tmp_dir.string(), "': ", std::strerror(errno));
       remove_tree(old_dir);
       fs::rename(final_dir, old_dir);
+      fs::rename(tmp_dir, final_dir);
+      fsync_dir(root);
+      remove_tree(old_dir);
     }
-    fs::rename(tmp_dir, final_dir);
-    fsync_dir(root);
-    remove_tree(old_dir);
     write_file_atomic(root / kLatest, std::to_string(iteration) + "\n");
   });
   agree(r, error, "save_checkpoint (publishing)");
@@ -494,13 +684,14 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntr
   LoadedCheckpoint out;
   std::vector<Plan> plans(entries.size());
   fs::path path;
+  std::string note;  // `latest` named a missing iteration and another was chosen
   // 1. Validate everything: metadata, model configuration, keys, shapes, every field of
   // every piece used, coverage, files and their headers. Nothing below step 2 can fail on
   // what metadata.json or a shard says, so a refused load leaves the weights unchanged.
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
   auto error = capture([&] {
     int64_t iteration = options.iteration();
-    path = resolve_iteration_dir(dir, iteration);
+    path = resolve_iteration_dir(dir, iteration, &note);
     const json meta = read_metadata(dir, iteration);
     const MetaFile m{(path / kMetadata).string()};
     out.iteration = iteration;
@@ -591,6 +782,8 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntr
     }
   });
   agree(r, error, "load_checkpoint (validating '" + dir + "')");
+  // The library has no logger: say it once, on stderr, so the operator sees the fallback.
+  if (!note.empty() && r.rank == 0) std::fprintf(stderr, "megatorch: warning: %s\n", note.c_str());
 
   // 2. Copy: each entry assembled in a CPU staging tensor of its dtype (padding zero).
   at::NoGradGuard no_grad;

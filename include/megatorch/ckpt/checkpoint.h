@@ -11,8 +11,13 @@
 //
 // Atomic: a save is written under iter_XXXXXXX.tmp, every file and the directory are
 // fsync'd, the directory is renamed into place, and only then is the `latest` file
-// replaced (by rename). A save killed at any point leaves the previous checkpoint
-// loadable. Load validates everything (keys, shapes, model configuration, files, CRC-32
+// replaced (by rename); saving an iteration again swaps the directories atomically
+// (renameat2 RENAME_EXCHANGE; two renames where the filesystem lacks it). A save killed at
+// any point leaves the previous checkpoint loadable, and the next save clears its
+// leftovers (iter_*.tmp*, iter_*.old). While saving, the coordinating rank (0) holds
+// <dir>/.megatorch_save.lock (O_EXCL, {"host", "pid"}): a second saver into the same
+// directory is refused naming the owner; a lock whose pid is gone on this host is taken
+// over; one from another host must be removed by hand. Load validates everything (keys, shapes, model configuration, files, CRC-32
 // checksums, coverage) on every rank and agrees over the group before any tensor changes.
 #include <torch/arg.h>
 #include <nlohmann/json.hpp>
@@ -64,7 +69,10 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntr
 
 // "iter_0000100", Megatron's directory name.
 std::string iteration_dirname(int64_t iteration);
-// The iteration `latest` names; -1 when `dir` holds no checkpoint.
+// The iteration `latest` names; -1 when `dir` holds no checkpoint. When that iteration's
+// directory is missing or has no metadata.json (a crashed save, a deletion), the newest
+// complete iteration directory instead (load_checkpoint warns on stderr); none: an error
+// naming both `latest` and the missing directory.
 int64_t latest_iteration(const std::string& dir);
 // The parsed metadata.json of an iteration (-1: the latest).
 nlohmann::json read_metadata(const std::string& dir, int64_t iteration = -1);
