@@ -117,13 +117,20 @@ nlohmann::json gpt_shape_json(const TransformerConfig& c) {
 }
 
 TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfig c) {
+  // get<int64_t>() would truncate 4.5 and read 1e9 silently: integers must be JSON integers.
+  const auto integer = [&j](const char* key) {
+    const nlohmann::json& v = j.at(key);
+    MEGATORCH_CHECK(v.is_number_integer(), "checkpoint model_config: expected ", key, " to be an integer, got ",
+                    v.dump(), "; the checkpoint's metadata.json was not written by megatorch or was edited");
+    return v.get<int64_t>();
+  };
   try {
-    c.hidden_size(j.at("hidden_size").get<int64_t>())
-        .num_attention_heads(j.at("num_attention_heads").get<int64_t>())
-        .num_query_groups(j.at("num_query_groups").get<int64_t>())
-        .ffn_hidden_size(j.at("ffn_hidden_size").get<int64_t>())
-        .num_layers(j.at("num_layers").get<int64_t>())
-        .vocab_size(j.at("vocab_size").get<int64_t>())
+    c.hidden_size(integer("hidden_size"))
+        .num_attention_heads(integer("num_attention_heads"))
+        .num_query_groups(integer("num_query_groups"))
+        .ffn_hidden_size(integer("ffn_hidden_size"))
+        .num_layers(integer("num_layers"))
+        .vocab_size(integer("vocab_size"))
         .add_bias_linear(j.at("add_bias_linear").get<bool>())
         .tie_embeddings(j.at("tie_embeddings").get<bool>());
     const std::string norm = j.at("normalization"), act = j.at("activation"), pos = j.at("position_embedding_type");
@@ -133,20 +140,35 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
     c.normalization(norm == "LayerNorm" ? Normalization::kLayerNorm : Normalization::kRMSNorm)
         .activation(act == "gelu_tanh" ? Activation::kGeluTanh : Activation::kSwiGLU)
         .position_embedding_type(pos == "rope" ? Positions::kRope : Positions::kLearned);
-    if (j.value("max_position_embeddings", int64_t{0}) > 0) c.max_position_embeddings(j.at("max_position_embeddings").get<int64_t>());
-    if (j.contains("seq_length")) c.seq_length(j.at("seq_length").get<int64_t>());
+    // 0 (RoPE: no parameter has the size) keeps the base's; a negative is left for validate() below.
+    if (j.contains("max_position_embeddings") && integer("max_position_embeddings") != 0) {
+      c.max_position_embeddings(integer("max_position_embeddings"));
+    }
+    if (j.contains("seq_length")) c.seq_length(integer("seq_length"));
     if (j.contains("max_positions") && c.position_embedding_type() == Positions::kRope) {
-      c.max_position_embeddings(j.at("max_positions").get<int64_t>());
+      c.max_position_embeddings(integer("max_positions"));
     }
     if (j.contains("norm_epsilon")) c.norm_epsilon(j.at("norm_epsilon").get<double>());
     if (j.contains("rotary_base")) c.rotary_base(j.at("rotary_base").get<double>());
-    if (j.contains("make_vocab_size_divisible_by")) c.make_vocab_size_divisible_by(j.at("make_vocab_size_divisible_by").get<int64_t>());
+    if (j.contains("make_vocab_size_divisible_by")) {
+      c.make_vocab_size_divisible_by(integer("make_vocab_size_divisible_by"));
+    }
     if (j.contains("init_std")) c.init_std(j.at("init_std").get<double>());
     // Absent in checkpoints written before these fields existed: no QKV bias of its own, no window.
     c.add_qkv_bias(j.value("add_qkv_bias", false));
-    c.sliding_window(j.value("sliding_window", int64_t{0}));
+    c.sliding_window(j.contains("sliding_window") ? integer("sliding_window") : 0);
   } catch (const nlohmann::json::exception& e) {
     MEGATORCH_FAIL("checkpoint model_config ", j.dump(), " is not a GPT configuration (", e.what(), ")");
+  }
+  // What every model built from it would refuse, refused on reading (a layout's TP size is
+  // checked later, against the run's): zero heads, negative sizes, indivisible shapes.
+  try {
+    c.validate(1);
+  } catch (const c10::Error& e) {
+    std::string why = e.what_without_backtrace();
+    if (why.rfind("megatorch: ", 0) == 0) why = why.substr(11);
+    MEGATORCH_FAIL("checkpoint model_config does not describe a valid model: ", why,
+                   "; the checkpoint's metadata.json was not written by megatorch or was edited");
   }
   return c;
 }

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <functional>
 #include <set>
+#include <type_traits>
+#include <vector>
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/checkpoint.h"
@@ -34,21 +36,71 @@ json read_json(const fs::path& path) {
   }
 }
 
+// config.json's fields, type-checked by name: nlohmann's get<int64_t>() would truncate 4.5,
+// and its type errors do not say which field they are about.
+template <class T>
+T field(const json& j, const char* key) {
+  MEGATORCH_CHECK(j.contains(key), "config.json: expected field '", key, "', found none");
+  const json& v = j.at(key);
+  const char* expected = nullptr;
+  if constexpr (std::is_same_v<T, int64_t>) {
+    if (!v.is_number_integer()) expected = "an integer";
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (!v.is_number()) expected = "a number";
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) expected = "true or false";
+  } else {
+    static_assert(std::is_same_v<T, std::string>);
+    if (!v.is_string()) expected = "a string";
+  }
+  MEGATORCH_CHECK(expected == nullptr, "config.json: expected '", key, "' to be ", expected, ", got ", v.dump(),
+                  "; fix the field in config.json");
+  return v.get<T>();
+}
+
 template <class T>
 T get_or(const json& j, const char* key, T fallback) {
-  return j.contains(key) && !j.at(key).is_null() ? j.at(key).get<T>() : fallback;
+  return j.contains(key) && !j.at(key).is_null() ? field<T>(j, key) : fallback;
+}
+
+// Sizes above this are no real model's and could overflow the products computed from them.
+constexpr int64_t kMaxSize = int64_t{1} << 40;
+
+// An integer field of config.json within [min, 2^40], named when it is not.
+int64_t size_field(const json& j, const char* key, int64_t min) {
+  const int64_t v = field<int64_t>(j, key);
+  MEGATORCH_CHECK(v >= min, "config.json: expected '", key, "' to be an integer >= ", min, ", got ", v,
+                  "; fix the field in config.json");
+  MEGATORCH_CHECK(v <= kMaxSize, "config.json: expected '", key, "' <= 2^40 (no model is larger), got ", v,
+                  "; fix the field in config.json");
+  return v;
+}
+
+int64_t size_field_or(const json& j, const char* key, int64_t min, int64_t fallback) {
+  return j.contains(key) && !j.at(key).is_null() ? size_field(j, key, min) : fallback;
 }
 
 // A set of named tensors that remembers which were taken, so that what is left over (a
 // tensor the model has no place for) is an error rather than silently dropped.
 class Tensors {
  public:
-  explicit Tensors(std::map<std::string, at::Tensor> m) : m_(std::move(m)) {}
-  const at::Tensor& take(const std::string& name) {
+  // `original`: the file's name of each key where it differs (GPT-2's "transformer." prefix).
+  explicit Tensors(std::map<std::string, at::Tensor> m, std::map<std::string, std::string> original = {})
+      : m_(std::move(m)), original_(std::move(original)) {}
+  // The tensor `name`, which must be floating-point and of exactly the shape the config
+  // implies: checked before any reshape, so a wrong config.json (vocab_size, heads) or
+  // file is refused by name instead of regrouped into a wrong model or an ATen error.
+  const at::Tensor& take(const std::string& name, const std::vector<int64_t>& shape) {
     auto it = m_.find(name);
     MEGATORCH_CHECK(it != m_.end(), "HuggingFace checkpoint: expected tensor '", name, "', found none");
+    check(name, it->second, shape);
     taken_.insert(name);
     return it->second;
+  }
+  // A tensor that may be present (a tied lm_head.weight): checked like take() when it is.
+  void check_if_present(const std::string& name, const std::vector<int64_t>& shape) const {
+    auto it = m_.find(name);
+    if (it != m_.end()) check(name, it->second, shape);
   }
   // Names neither taken nor `ignorable`.
   std::vector<std::string> left(const std::function<bool(const std::string&)>& ignorable) const {
@@ -59,7 +111,20 @@ class Tensors {
   }
 
  private:
+  void check(const std::string& name, const at::Tensor& t, const std::vector<int64_t>& shape) const {
+    auto o = original_.find(name);
+    const std::string& file_name = o == original_.end() ? name : o->second;
+    MEGATORCH_CHECK(at::isFloatingType(t.scalar_type()), "HuggingFace checkpoint: expected tensor '", file_name,
+                    "' to be floating-point (float32, bfloat16, float16), got ", t.scalar_type(),
+                    "; import the unquantized model");
+    MEGATORCH_CHECK(t.sizes().vec() == shape, "HuggingFace checkpoint: expected tensor '", file_name, "' of shape ",
+                    at::IntArrayRef(shape), " (from config.json), got ", t.sizes(),
+                    "; config.json does not describe these weights (vocab_size, hidden size, heads, "
+                    "key/value heads, intermediate size, layers or positions differ)");
+  }
+
   std::map<std::string, at::Tensor> m_;
+  std::map<std::string, std::string> original_;
   std::set<std::string> taken_;
 };
 
@@ -127,13 +192,16 @@ double rope_base(const json& h, const std::string& arch) {
 // layer: all sliding is a window, none sliding is none, a mix is refused.
 int64_t qwen2_window(const json& h, int64_t layers) {
   if (!get_or<bool>(h, "use_sliding_window", false)) return 0;
-  const int64_t window = get_or<int64_t>(h, "sliding_window", 0);
+  const int64_t window = size_field_or(h, "sliding_window", 0, 0);
   if (window <= 0) return 0;
   int64_t sliding = 0;
   if (h.contains("layer_types") && h.at("layer_types").is_array()) {
-    for (const auto& t : h.at("layer_types")) sliding += t.get<std::string>() == "sliding_attention";
+    for (const auto& t : h.at("layer_types")) {
+      MEGATORCH_CHECK(t.is_string(), "config.json: expected 'layer_types' to hold strings, got ", t.dump());
+      sliding += t.get<std::string>() == "sliding_attention";
+    }
   } else {
-    sliding = std::max<int64_t>(0, layers - std::max<int64_t>(0, get_or<int64_t>(h, "max_window_layers", 28)));
+    sliding = std::max<int64_t>(0, layers - size_field_or(h, "max_window_layers", 0, 28));
   }
   MEGATORCH_CHECK(sliding == 0 || sliding == layers, "Qwen2 import: use_sliding_window with max_window_layers ",
                   get_or<int64_t>(h, "max_window_layers", 28), " (layer_types) gives ", sliding, " sliding-window and ",
@@ -185,7 +253,35 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
                  "Mistral: sliding_window)");
 }
 
+namespace {
+
+// hidden / heads and heads / key-value heads, named with config.json's own fields before
+// anything divides by them (validate() says the same in megatorch's names).
+void check_heads(const json& h, const char* hidden_key, const char* heads_key, const char* groups_key) {
+  const int64_t hidden = h.at(hidden_key).get<int64_t>(), heads = h.at(heads_key).get<int64_t>();
+  MEGATORCH_CHECK(hidden % heads == 0, "config.json: expected ", hidden_key, " (", hidden, ") to be divisible by ",
+                  heads_key, " (", heads, "); fix the field in config.json");
+  if (groups_key == nullptr || !h.contains(groups_key) || h.at(groups_key).is_null()) return;
+  const int64_t groups = h.at(groups_key).get<int64_t>();
+  MEGATORCH_CHECK(heads % groups == 0, "config.json: expected ", heads_key, " (", heads, ") to be divisible by ",
+                  groups_key, " (", groups, "); each key/value head serves a whole group of query heads");
+}
+
+// validate() on what config.json made, its message prefixed with where the config came from.
+void validate_imported(const TransformerConfig& c, const std::string& arch) {
+  try {
+    c.validate(1);
+  } catch (const c10::Error& e) {
+    std::string why = e.what_without_backtrace();
+    if (why.rfind("megatorch: ", 0) == 0) why = why.substr(11);
+    MEGATORCH_FAIL(arch, " import: config.json does not describe a valid model: ", why);
+  }
+}
+
+}  // namespace
+
 TransformerConfig config_from_hf(const json& h) {
+  MEGATORCH_CHECK(h.is_object(), "config.json: expected a JSON object, got ", h.type_name());
   const std::string type = get_or<std::string>(h, "model_type", "");
   const HFArch arch = parse_hf_arch(type);
   MEGATORCH_CHECK(!h.contains("quantization_config") || h.at("quantization_config").is_null(), type,
@@ -209,15 +305,16 @@ TransformerConfig config_from_hf(const json& h) {
     // megatorch's SDPA in fp32 is that already for fp32 models).
     MEGATORCH_CHECK(!get_or<bool>(h, "add_cross_attention", false),
                     "GPT-2 import: add_cross_attention true is not supported; megatorch's GPT is decoder-only");
-    const int64_t hidden = h.at("n_embd").get<int64_t>();
-    const int64_t positions = h.at("n_positions").get<int64_t>();
+    const int64_t hidden = size_field(h, "n_embd", 1), heads = size_field(h, "n_head", 1);
+    const int64_t positions = size_field(h, "n_positions", 1);
+    check_heads(h, "n_embd", "n_head", nullptr);
     c.hidden_size(hidden)
-        .num_attention_heads(h.at("n_head").get<int64_t>())
-        .num_layers(h.at("n_layer").get<int64_t>())
-        .vocab_size(h.at("vocab_size").get<int64_t>())
+        .num_attention_heads(heads)
+        .num_layers(size_field(h, "n_layer", 1))
+        .vocab_size(size_field(h, "vocab_size", 1))
         .max_position_embeddings(positions)
         .seq_length(positions)
-        .ffn_hidden_size(get_or<int64_t>(h, "n_inner", 4 * hidden))
+        .ffn_hidden_size(size_field_or(h, "n_inner", 1, 4 * hidden))
         .norm_epsilon(get_or<double>(h, "layer_norm_epsilon", 1e-5))
         .init_std(get_or<double>(h, "initializer_range", 0.02))
         .normalization(Normalization::kLayerNorm)
@@ -225,6 +322,7 @@ TransformerConfig config_from_hf(const json& h) {
         .position_embedding_type(Positions::kLearned)
         .add_bias_linear(true)
         .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", true));
+    validate_imported(c, "GPT-2");
     return c;
   }
   // Llama, Mistral and Qwen2: one layout; Qwen2 adds q/k/v biases, Mistral (and Qwen2 with
@@ -241,22 +339,24 @@ TransformerConfig config_from_hf(const json& h) {
     MEGATORCH_CHECK(!get_or<bool>(h, "mlp_bias", false), "Llama import: mlp_bias true is not supported");
   }
   const double theta = rope_base(h, name);
-  const int64_t hidden = h.at("hidden_size").get<int64_t>(), heads = h.at("num_attention_heads").get<int64_t>();
-  const int64_t head_dim = get_or<int64_t>(h, "head_dim", hidden / heads);
+  const int64_t hidden = size_field(h, "hidden_size", 1), heads = size_field(h, "num_attention_heads", 1);
+  const int64_t groups = size_field_or(h, "num_key_value_heads", 1, heads);
+  check_heads(h, "hidden_size", "num_attention_heads", "num_key_value_heads");
+  const int64_t head_dim = size_field_or(h, "head_dim", 1, hidden / heads);
   MEGATORCH_CHECK(head_dim * heads == hidden, name, " import: head_dim ", head_dim,
                   " is not supported; megatorch's head dim is hidden_size / num_attention_heads = ", hidden, " / ",
                   heads);
-  const int64_t layers = h.at("num_hidden_layers").get<int64_t>();
+  const int64_t layers = size_field(h, "num_hidden_layers", 1);
   int64_t window = 0;
-  if (arch == HFArch::kMistral) window = get_or<int64_t>(h, "sliding_window", 0);  // null: none
+  if (arch == HFArch::kMistral) window = size_field_or(h, "sliding_window", 0, 0);  // null: none
   if (arch == HFArch::kQwen2) window = qwen2_window(h, layers);
-  const int64_t positions = h.at("max_position_embeddings").get<int64_t>();
+  const int64_t positions = size_field(h, "max_position_embeddings", 1);
   c.hidden_size(hidden)
       .num_attention_heads(heads)
-      .num_query_groups(get_or<int64_t>(h, "num_key_value_heads", heads))
+      .num_query_groups(groups)
       .num_layers(layers)
-      .vocab_size(h.at("vocab_size").get<int64_t>())
-      .ffn_hidden_size(h.at("intermediate_size").get<int64_t>())
+      .vocab_size(size_field(h, "vocab_size", 1))
+      .ffn_hidden_size(size_field(h, "intermediate_size", 1))
       // The window is kept; sequences stay within it (validate() refuses longer ones).
       .seq_length(window > 0 ? std::min(positions, window) : positions)
       .max_position_embeddings(positions)
@@ -270,6 +370,7 @@ TransformerConfig config_from_hf(const json& h) {
       .add_bias_linear(false)
       .add_qkv_bias(arch == HFArch::kQwen2)
       .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", false));
+  validate_imported(c, name);
   return c;
 }
 
@@ -328,36 +429,46 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
                                                   const TransformerConfig& c) {
   std::map<std::string, at::Tensor> out;
   const int64_t h = c.hidden_size(), heads = c.num_attention_heads(), groups = c.query_groups(), d = c.head_dim();
+  const int64_t V = c.vocab_size(), F = c.ffn();
   std::function<bool(const std::string&)> ignorable;
   std::string family;
   std::map<std::string, at::Tensor> renamed;
   if (gpt2_shaped(c)) {
     family = "GPT-2";
-    for (const auto& [k, v] : hf_in) renamed[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
-    Tensors hf(renamed);  // "transformer." is there for GPT2LMHeadModel, not for GPT2Model
-    out["embedding.weight"] = hf.take("wte.weight");
-    out["position_embedding"] = hf.take("wpe.weight");
+    std::map<std::string, std::string> original;
+    for (const auto& [k, v] : hf_in) {
+      const std::string key = k.rfind("transformer.", 0) == 0 ? k.substr(12) : k;
+      renamed[key] = v;
+      original[key] = k;
+    }
+    Tensors hf(renamed, original);  // "transformer." is there for GPT2LMHeadModel, not for GPT2Model
+    out["embedding.weight"] = hf.take("wte.weight", {V, h});
+    out["position_embedding"] = hf.take("wpe.weight", {c.max_positions(), h});
     for (int64_t i = 0; i < c.num_layers(); ++i) {
       const std::string p = "h." + std::to_string(i) + ".", l = layer(i);
       for (const char* s : {"weight", "bias"}) {
-        out[l + "input_norm." + s] = hf.take(p + "ln_1." + s);
-        out[l + "post_attention_norm." + s] = hf.take(p + "ln_2." + s);
+        out[l + "input_norm." + s] = hf.take(p + "ln_1." + s, {h});
+        out[l + "post_attention_norm." + s] = hf.take(p + "ln_2." + s, {h});
       }
       // Conv1D [in, out] -> Linear [out, in]; c_attn's [q; k; v] rows -> per head [q_i; k_i; v_i].
-      out[l + "attention.qkv.weight"] =
-          hf.take(p + "attn.c_attn.weight").t().reshape({3, heads, d, h}).transpose(0, 1).reshape({3 * h, h});
+      out[l + "attention.qkv.weight"] = hf.take(p + "attn.c_attn.weight", {h, 3 * h})
+                                            .t()
+                                            .reshape({3, heads, d, h})
+                                            .transpose(0, 1)
+                                            .reshape({3 * h, h});
       out[l + "attention.qkv.bias"] =
-          hf.take(p + "attn.c_attn.bias").reshape({3, heads, d}).transpose(0, 1).reshape({3 * h});
-      out[l + "attention.proj.weight"] = hf.take(p + "attn.c_proj.weight").t();
-      out[l + "attention.proj.bias"] = hf.take(p + "attn.c_proj.bias");
-      out[l + "mlp.fc1.weight"] = hf.take(p + "mlp.c_fc.weight").t();
-      out[l + "mlp.fc1.bias"] = hf.take(p + "mlp.c_fc.bias");
-      out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.c_proj.weight").t();
-      out[l + "mlp.fc2.bias"] = hf.take(p + "mlp.c_proj.bias");
+          hf.take(p + "attn.c_attn.bias", {3 * h}).reshape({3, heads, d}).transpose(0, 1).reshape({3 * h});
+      out[l + "attention.proj.weight"] = hf.take(p + "attn.c_proj.weight", {h, h}).t();
+      out[l + "attention.proj.bias"] = hf.take(p + "attn.c_proj.bias", {h});
+      out[l + "mlp.fc1.weight"] = hf.take(p + "mlp.c_fc.weight", {h, F}).t();
+      out[l + "mlp.fc1.bias"] = hf.take(p + "mlp.c_fc.bias", {F});
+      out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.c_proj.weight", {F, h}).t();
+      out[l + "mlp.fc2.bias"] = hf.take(p + "mlp.c_proj.bias", {h});
     }
-    out["final_norm.weight"] = hf.take("ln_f.weight");
-    out["final_norm.bias"] = hf.take("ln_f.bias");
-    if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight");
+    out["final_norm.weight"] = hf.take("ln_f.weight", {h});
+    out["final_norm.bias"] = hf.take("ln_f.bias", {h});
+    if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight", {V, h});
+    else hf.check_if_present("lm_head.weight", {V, h});
     // Older GPT-2 files carry the causal-mask buffers (attn.bias, attn.masked_bias); a tied
     // head may be saved as well, and transformers ties it to wte on load.
     ignorable = [&c](const std::string& k) {
@@ -373,29 +484,30 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
     family = "Llama-family";
     Tensors hf(hf_in);
     const int64_t per = heads / groups;
-    out["embedding.weight"] = hf.take("model.embed_tokens.weight");
+    out["embedding.weight"] = hf.take("model.embed_tokens.weight", {V, h});
     for (int64_t i = 0; i < c.num_layers(); ++i) {
       const std::string p = "model.layers." + std::to_string(i) + ".", l = layer(i);
-      out[l + "input_norm.weight"] = hf.take(p + "input_layernorm.weight");
-      out[l + "post_attention_norm.weight"] = hf.take(p + "post_attention_layernorm.weight");
+      out[l + "input_norm.weight"] = hf.take(p + "input_layernorm.weight", {h});
+      out[l + "post_attention_norm.weight"] = hf.take(p + "post_attention_layernorm.weight", {h});
       // Group g's rows: its heads/groups queries, then its key, then its value; the biases alike.
-      const at::Tensor q = hf.take(p + "self_attn.q_proj.weight").reshape({groups, per * d, h});
-      const at::Tensor k = hf.take(p + "self_attn.k_proj.weight").reshape({groups, d, h});
-      const at::Tensor v = hf.take(p + "self_attn.v_proj.weight").reshape({groups, d, h});
+      const at::Tensor q = hf.take(p + "self_attn.q_proj.weight", {heads * d, h}).reshape({groups, per * d, h});
+      const at::Tensor k = hf.take(p + "self_attn.k_proj.weight", {groups * d, h}).reshape({groups, d, h});
+      const at::Tensor v = hf.take(p + "self_attn.v_proj.weight", {groups * d, h}).reshape({groups, d, h});
       out[l + "attention.qkv.weight"] = at::cat({q, k, v}, 1).reshape({(heads + 2 * groups) * d, h});
       if (c.add_qkv_bias()) {
-        const at::Tensor qb = hf.take(p + "self_attn.q_proj.bias").reshape({groups, per * d});
-        const at::Tensor kb = hf.take(p + "self_attn.k_proj.bias").reshape({groups, d});
-        const at::Tensor vb = hf.take(p + "self_attn.v_proj.bias").reshape({groups, d});
+        const at::Tensor qb = hf.take(p + "self_attn.q_proj.bias", {heads * d}).reshape({groups, per * d});
+        const at::Tensor kb = hf.take(p + "self_attn.k_proj.bias", {groups * d}).reshape({groups, d});
+        const at::Tensor vb = hf.take(p + "self_attn.v_proj.bias", {groups * d}).reshape({groups, d});
         out[l + "attention.qkv.bias"] = at::cat({qb, kb, vb}, 1).reshape({(heads + 2 * groups) * d});
       }
-      out[l + "attention.proj.weight"] = hf.take(p + "self_attn.o_proj.weight");
-      out[l + "mlp.fc1.weight"] =
-          at::cat({hf.take(p + "mlp.gate_proj.weight"), hf.take(p + "mlp.up_proj.weight")}, 0);
-      out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.down_proj.weight");
+      out[l + "attention.proj.weight"] = hf.take(p + "self_attn.o_proj.weight", {h, heads * d});
+      out[l + "mlp.fc1.weight"] = at::cat(
+          {hf.take(p + "mlp.gate_proj.weight", {F, h}), hf.take(p + "mlp.up_proj.weight", {F, h})}, 0);
+      out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.down_proj.weight", {h, F});
     }
-    out["final_norm.weight"] = hf.take("model.norm.weight");
-    if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight");
+    out["final_norm.weight"] = hf.take("model.norm.weight", {h});
+    if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight", {V, h});
+    else hf.check_if_present("lm_head.weight", {V, h});
     // rotary_emb.inv_freq: a buffer older files carry, recomputed from rope_theta.
     ignorable = [&c](const std::string& k) {
       return ends_with(k, "rotary_emb.inv_freq") || (c.tie_embeddings() && k == "lm_head.weight");

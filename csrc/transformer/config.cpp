@@ -1,5 +1,7 @@
 #include "megatorch/transformer/config.h"
 
+#include <cmath>
+
 #include "megatorch/check.h"
 
 namespace megatorch::transformer {
@@ -12,9 +14,24 @@ int64_t TransformerConfig::ffn() const {
 
 void TransformerConfig::validate(int64_t tp) const {
   const int64_t heads = num_attention_heads_, groups = query_groups();
+  MEGATORCH_CHECK(tp >= 1, "expected a tensor-parallel size >= 1 to validate against, got ", tp);
   MEGATORCH_CHECK(hidden_size_ >= 1 && heads >= 1 && num_layers_ >= 1 && seq_length_ >= 1 && vocab_size_ >= 1,
                   "expected positive hidden_size, num_attention_heads, num_layers, seq_length and vocab_size, got ",
                   hidden_size_, ", ", heads, ", ", num_layers_, ", ", seq_length_, ", ", vocab_size_);
+  // 0 means "derived" for these three; a negative value would silently read as that default.
+  MEGATORCH_CHECK(ffn_hidden_size_ >= 0, "expected ffn_hidden_size >= 0 (0: derived from hidden_size), got ",
+                  ffn_hidden_size_);
+  MEGATORCH_CHECK(num_query_groups_ >= 0, "expected num_query_groups >= 0 (0: one per attention head), got ",
+                  num_query_groups_);
+  MEGATORCH_CHECK(max_position_embeddings_ >= 0, "expected max_position_embeddings >= 0 (0: seq_length), got ",
+                  max_position_embeddings_);
+  MEGATORCH_CHECK(make_vocab_size_divisible_by_ >= 1, "expected make_vocab_size_divisible_by >= 1, got ",
+                  make_vocab_size_divisible_by_);
+  MEGATORCH_CHECK(std::isfinite(norm_epsilon_) && norm_epsilon_ > 0, "expected a finite norm_epsilon > 0, got ",
+                  norm_epsilon_);
+  MEGATORCH_CHECK(std::isfinite(rotary_base_) && rotary_base_ > 0, "expected a finite rotary_base > 0, got ",
+                  rotary_base_);
+  MEGATORCH_CHECK(std::isfinite(init_std_) && init_std_ >= 0, "expected a finite init_std >= 0, got ", init_std_);
   MEGATORCH_CHECK(hidden_size_ % heads == 0, "expected hidden_size (", hidden_size_,
                   ") to be divisible by num_attention_heads (", heads, ")");
   MEGATORCH_CHECK(heads % groups == 0, "expected num_attention_heads (", heads,
