@@ -15,27 +15,12 @@
 #include <numeric>
 #include <set>
 
+#include "temp_dir.h"
+
 namespace md = megatorch::data;
 using Catch::Contains;
 
 namespace {
-
-// A fresh directory under the system temp dir, removed at the end of the test. (POSIX
-// calls, not std::filesystem: libtorch exports an incompatible copy of its symbols.)
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/megatorch_data_XXXXXX";
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-         FTW_DEPTH | FTW_PHYS);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
 
 int64_t file_size(const std::string& p) {
   struct stat st {};
@@ -90,7 +75,7 @@ std::string write_numbered(const std::string& prefix, const std::vector<int64_t>
 }  // namespace
 
 TEST_CASE("the builder writes the MMIDIDX layout byte for byte", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   // Two documents: the first of two sentences [1, 2, 3] and [4], the second of [5, 6].
   const std::string prefix = write_dataset(dir / "d", md::DType::kUInt16, {{{1, 2, 3}, {4}}, {{5, 6}}});
   // The layout written down from Megatron's _IndexWriter.
@@ -121,7 +106,7 @@ TEST_CASE("the builder writes the MMIDIDX layout byte for byte", "[data]") {
 }
 
 TEST_CASE("every dtype code round-trips, and tokens that do not fit are refused", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   for (int code = 1; code <= 8; ++code) {
     const auto dtype = static_cast<md::DType>(code);
     const std::string name = md::dtype_name(dtype);
@@ -141,7 +126,7 @@ TEST_CASE("every dtype code round-trips, and tokens that do not fit are refused"
 }
 
 TEST_CASE("empty documents, tensors and add_index merge as Megatron's builder does", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   const std::string a = write_dataset(dir / "a", md::DType::kInt32, {{{1, 2}}, {}, {{3}, {4, 5}}});
   const std::string b = write_dataset(dir / "b", md::DType::kInt32, {{{6}}});
   {
@@ -165,7 +150,7 @@ TEST_CASE("empty documents, tensors and add_index merge as Megatron's builder do
 }
 
 TEST_CASE("corrupt, truncated and mismatched files fail naming the file and the fault", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   const std::string good = write_dataset(dir / "good", md::DType::kInt32, {{{1, 2, 3}}, {{4, 5}}});
   const std::string other = write_dataset(dir / "other", md::DType::kInt32, {{{1, 2, 3, 4}}});
   const auto idx = read_bytes(md::idx_path(good));
@@ -242,7 +227,7 @@ TEST_CASE("NumpyRandomState shuffles as numpy.random.RandomState does", "[data]"
 }
 
 TEST_CASE("GPT samples: s+1 tokens, overlapping by one, covering the shuffled documents in order", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   const std::vector<int64_t> lengths{7, 3, 12, 1, 9, 5};  // 37 tokens
   auto indexed = std::make_shared<const md::IndexedDataset>(write_numbered(dir / "n", lengths));
   md::GPTDatasetOptions o;
@@ -287,7 +272,7 @@ TEST_CASE("GPT samples: s+1 tokens, overlapping by one, covering the shuffled do
 }
 
 TEST_CASE("GPT dataset: a barely used final epoch is shuffled on its own", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   auto indexed = std::make_shared<const md::IndexedDataset>(write_numbered(dir / "n", std::vector<int64_t>(10, 10)));
   md::GPTDatasetOptions o;
   o.seq_length = 9;
@@ -307,7 +292,7 @@ TEST_CASE("GPT dataset: a barely used final epoch is shuffled on its own", "[dat
 }
 
 TEST_CASE("an empty split gives no samples, or an error when samples are wanted", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   auto indexed = std::make_shared<const md::IndexedDataset>(write_numbered(dir / "n", {5, 5}));
   md::GPTDatasetOptions o;
   o.seq_length = 4;
@@ -367,7 +352,7 @@ TEST_CASE("blending follows the weights as closely as whole samples allow", "[da
 }
 
 TEST_CASE("build_gpt_datasets: one prefix split by documents, blends sized as Megatron sizes them", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   const std::string a = write_numbered(dir / "a", std::vector<int64_t>(100, 20));
   const std::string b = write_numbered(dir / "b", std::vector<int64_t>(50, 30));
   auto opts = md::GPTDataOptions().seq_length(16).seed(1234).split("90,8,2");
@@ -405,7 +390,7 @@ TEST_CASE("build_gpt_datasets: one prefix split by documents, blends sized as Me
 }
 
 TEST_CASE("preprocess_jsonl: ByteLevel and PreTokenized, Megatron's document rules, clear errors", "[data]") {
-  TempDir dir;
+  TempDir dir("megatorch_data");
   const std::string in = dir / "in.jsonl";
   {
     std::ofstream f(in);

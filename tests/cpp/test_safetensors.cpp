@@ -15,27 +15,12 @@
 #include <random>
 #include <string>
 
+#include "temp_dir.h"
+
 using megatorch::ckpt::SafetensorsReader;
 using megatorch::ckpt::write_safetensors;
 
 namespace {
-
-// A fresh directory, removed at the end of the test (POSIX calls, not std::filesystem:
-// libtorch exports an incompatible copy of its symbols).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/megatorch_st_XXXXXX";
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-         FTW_DEPTH | FTW_PHYS);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
 
 // The 8-byte little-endian header length.
 std::string le64(uint64_t v) {
@@ -74,7 +59,7 @@ std::string one_tensor(const std::string& entry) { return "{\"w\":" + entry + "}
 }  // namespace
 
 TEST_CASE("safetensors: a valid file still reads", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   const at::Tensor a = torch::arange(6, torch::kFloat).reshape({2, 3});
   const at::Tensor b = torch::tensor({1, -2, 3}, torch::kLong);
   const at::Tensor empty = torch::empty({0, 4}, torch::kBFloat16);
@@ -100,7 +85,7 @@ TEST_CASE("safetensors: a valid file still reads", "[safetensors]") {
 }
 
 TEST_CASE("safetensors: the header length is checked before anything is allocated", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   expect_rejected(dir, "", {"at least 8"});
   expect_rejected(dir, "\x10\x00\x00", {"at least 8"});
   // Far beyond the format's limit: must fail without trying to allocate it.
@@ -113,7 +98,7 @@ TEST_CASE("safetensors: the header length is checked before anything is allocate
 }
 
 TEST_CASE("safetensors: the header must be a JSON object of entries", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   expect_rejected(dir, st_bytes("{\"w\":", ""), {"not valid JSON"});
   expect_rejected(dir, st_bytes("not json", ""), {"not valid JSON"});
   expect_rejected(dir, st_bytes("[1,2]", ""), {"expected a JSON object", "array"});
@@ -126,7 +111,7 @@ TEST_CASE("safetensors: the header must be a JSON object of entries", "[safetens
 }
 
 TEST_CASE("safetensors: every bad tensor entry names the file and the tensor", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   const std::string d8(8, '\0');
   const auto rejected = [&](const std::string& entry, const std::vector<std::string>& parts, const std::string& data) {
     INFO(entry);
@@ -163,7 +148,7 @@ TEST_CASE("safetensors: every bad tensor entry names the file and the tensor", "
 }
 
 TEST_CASE("safetensors: tensors must tile the data section", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   const auto entry = [](const std::string& name, int64_t n, int64_t begin) {
     return "\"" + name + "\":{\"dtype\":\"U8\",\"shape\":[" + std::to_string(n) + "],\"data_offsets\":[" +
            std::to_string(begin) + "," + std::to_string(begin + n) + "]}";
@@ -193,7 +178,7 @@ TEST_CASE("safetensors: tensors must tile the data section", "[safetensors]") {
 }
 
 TEST_CASE("safetensors: a file truncated after opening fails the read, naming the tensor", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   const std::string p = dir / "t.safetensors";
   write_safetensors(p, {{"a", torch::ones({16})}, {"b", torch::ones({16})}}, {}, false);
   SafetensorsReader r(p);
@@ -206,7 +191,7 @@ TEST_CASE("safetensors: a file truncated after opening fails the read, naming th
 }
 
 TEST_CASE("safetensors: every truncation and many corruptions are errors, never crashes", "[safetensors]") {
-  TempDir dir;
+  TempDir dir("megatorch_st");
   const std::string src = dir / "src.safetensors";
   write_safetensors(src, {{"a", torch::arange(12, torch::kFloat).reshape({3, 4})}, {"b", torch::ones({5}, torch::kLong)}},
                     {{"format", "pt"}}, false);
