@@ -1,7 +1,7 @@
 """A small randomly initialised HuggingFace causal LM, saved as save_pretrained writes it
 (config.json + model.safetensors, and the tokenizer's files when --tokenizer is given).
 
-It stands in for a published checkpoint where nothing can be downloaded: the README's
+It stands in for a published checkpoint where nothing can be downloaded: docs/train.md's
 "continue pretraining a HuggingFace model" walk-through starts from it, and with a real
 model (`huggingface-cli download ... --local-dir my-model`) the same commands apply.
 

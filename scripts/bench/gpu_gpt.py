@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU benchmark of GPT training steps (issue 8): megatorch's C++ GPTModel (bf16, fused
+"""GPU benchmark of GPT training steps (docs/benchmarks_gpu.md): megatorch's C++ GPTModel (bf16, fused
 kernels, flash attention through at::scaled_dot_product_attention, its DistributedOptimizer)
 next to the same model in plain PyTorch eager (SDPA), the same under torch.compile, and
 Megatron-Core's GPTModel with its local (non-Transformer-Engine) layers — a ~1.3B and a

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU benchmark of megatorch's fused kernels (issue 6): for each memory-bound kernel at
+"""GPU benchmark of megatorch's fused kernels (docs/kernels.md): for each memory-bound kernel at
 large sizes, the achieved GB/s next to a device-to-device copy measured in the same run,
 and the speedup over the eager PyTorch chain it replaces and over torch.compile of that
 chain. Forward kernels; bf16 activations (AdamW: fp32 master weights and states, bf16

@@ -25,7 +25,7 @@ class Case:
     fused: Callable[[], object]
     eager: Callable[[], object]
     bytes: int  # minimum traffic of the fused kernel
-    goal: str = ""  # the goal on a GPU
+    goal: str = ""  # the kernel's GPU target, shown in gpu_kernels.py's table (docs/kernels.md lists the targets)
     compare: bool = True  # outputs comparable (dropout draws differ between the two paths)
     extra: Dict[str, float] = field(default_factory=dict)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """CPU benchmark: megatorch's fused kernels next to the unfused PyTorch chains they replace,
-side by side in one run (issue 6). Forward calls, fp32 and bf16; the median of --iters
+side by side in one run (docs/kernels.md). Forward calls, fp32 and bf16; the median of --iters
 calls of each, the two interleaved call by call so that both see the same machine load;
 ratio = unfused median / fused median (> 1: the fused kernel is faster).
 

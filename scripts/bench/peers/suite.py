@@ -1,5 +1,6 @@
-"""The CPU side-by-side benchmark, every run of it, one after the other (issue 8's CPU part,
-issue 5's ZeRO comparison). scripts/bench/cpu_peers.sh is the command; this is its body:
+"""The CPU side-by-side benchmark, every run of it, one after the other (docs/benchmarks.md:
+megatorch next to PyTorch's and DeepSpeed's parallelism, ZeRO stages included).
+scripts/bench/cpu_peers.sh is the command; this is its body:
 
     python scripts/bench/peers/suite.py --out runs/cpu_peers [--parts main single scaling bubble]
 
