@@ -190,9 +190,7 @@ at::Tensor GPTModelImpl::loss(const at::Tensor& ids, const at::Tensor& labels, i
   MEGATORCH_CHECK(options.pre_process() && options.post_process(),
                   "GPTModel::loss needs the whole model (pre_process and post_process); a pipeline stage calls "
                   "forward and per_token_loss instead");
-  const at::Tensor per_token = per_token_loss(forward(ids), labels, ignore_index);
-  const at::Tensor count = (labels != ignore_index).sum().clamp_min(1).to(per_token.scalar_type());
-  return per_token.sum() / count;
+  return tp::masked_mean_loss(per_token_loss(forward(ids), labels, ignore_index), labels, ignore_index);
 }
 
 std::vector<at::Tensor> GPTModelImpl::sequence_parallel_parameters() const {

@@ -78,6 +78,8 @@ TORCH_LIBRARY_FRAGMENT(megatorch, m) {
   m.def("row_parallel_linear(Tensor input, Tensor weight, Tensor? bias, str group, bool input_is_parallel=True, "
         "bool sequence_parallel=False) -> Tensor");
   m.def("vocab_parallel_embedding(Tensor ids, Tensor weight, str group) -> Tensor");
+  // A schema is parsed text, so its default is spelled out: -100 is tp::kIgnoreIndex.
+  static_assert(tp::kIgnoreIndex == -100, "the schema's ignore_index default must be tp::kIgnoreIndex");
   m.def("vocab_parallel_cross_entropy(Tensor logits, Tensor target, str group, float label_smoothing=0.0, "
         "int ignore_index=-100) -> Tensor");
   // Internal halves of the loss (vocab_size <= 0: every column is real; fused: the local

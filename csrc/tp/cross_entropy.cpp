@@ -193,4 +193,14 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                                      fused);
 }
 
+at::Tensor masked_mean_loss(const at::Tensor& per_token, const at::Tensor& labels, int64_t ignore_index) {
+  MEGATORCH_CHECK(per_token.numel() == labels.numel(), "masked_mean_loss: expected one label per token loss, got ",
+                  per_token.numel(), " losses (", per_token.sizes(), ") and ", labels.numel(), " labels (",
+                  labels.sizes(), ")");
+  // Ignored tokens' losses are 0 (vocab_parallel_cross_entropy), so the sum needs no mask;
+  // the count does. clamp_min: an all-ignored batch gives 0, not NaN.
+  const at::Tensor valid = (labels != ignore_index).sum().clamp_min(1).to(per_token.scalar_type());
+  return per_token.sum() / valid;
+}
+
 }  // namespace megatorch::tp

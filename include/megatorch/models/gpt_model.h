@@ -10,6 +10,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "megatorch/models/unit_hooks.h"
+#include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/vocab_parallel_embedding.h"
 #include "megatorch/transformer/transformer_layer.h"
 
@@ -43,9 +44,10 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
   at::Tensor forward_cached(const at::Tensor& input, int64_t position_offset, std::vector<inference::KVCache>& caches);
   // Per-token loss [s, b] (fp32) from a logits shard and labels [b, s]; padded
   // vocabulary columns are left out of the softmax, ignore_index tokens give 0.
-  at::Tensor per_token_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100) const;
-  // Mean loss over the non-ignored tokens of a batch.
-  at::Tensor loss(const at::Tensor& ids, const at::Tensor& labels, int64_t ignore_index = -100);
+  at::Tensor per_token_loss(const at::Tensor& logits, const at::Tensor& labels,
+                            int64_t ignore_index = tp::kIgnoreIndex) const;
+  // Mean loss over the non-ignored tokens of a batch (tp::masked_mean_loss).
+  at::Tensor loss(const at::Tensor& ids, const at::Tensor& labels, int64_t ignore_index = tp::kIgnoreIndex);
 
   // Sums, over the TP group, the gradients that sequence parallelism leaves partial
   // (norms, row-parallel biases, position embeddings) in one flat all-reduce. Call

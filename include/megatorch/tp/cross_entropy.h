@@ -12,6 +12,9 @@
 
 namespace megatorch::tp {
 
+// The target id whose tokens carry no loss (PyTorch's and Megatron's default ignore_index).
+constexpr int64_t kIgnoreIndex = -100;
+
 // logits [..., V/tp] (this rank's vocabulary shard, rank r holding columns
 // [r·V/tp, (r+1)·V/tp)), target [...] of global ids -> per-token loss [...], fp32.
 // Tokens whose target is ignore_index get loss 0 and no gradient. Label smoothing as
@@ -22,7 +25,7 @@ namespace megatorch::tp {
 // `fused`: the local part (row max, Σ exp, target logit, Σ logits) in one pass over the
 // shard (kernels::cross_entropy_local); off: ATen ops. Three all-reduces either way.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target, const std::string& group,
-                                        double label_smoothing = 0.0, int64_t ignore_index = -100,
+                                        double label_smoothing = 0.0, int64_t ignore_index = kIgnoreIndex,
                                         c10::optional<int64_t> vocab_size = c10::nullopt, bool fused = true);
 
 // The two halves, outside autograd (the kernels of the internal operators).
@@ -36,5 +39,12 @@ at::Tensor vocab_parallel_cross_entropy_backward(const at::Tensor& grad_loss, co
                                                  const at::Tensor& target, const at::Tensor& log_sum_exp,
                                                  const std::string& group, double label_smoothing,
                                                  int64_t ignore_index, int64_t vocab_size);
+
+// The mean loss over the tokens that carry one: per_token (any layout, e.g. [s, b] from
+// GPTModel::per_token_loss) summed over the labels (the same tokens, e.g. [b, s]) that are
+// not ignore_index. The one loss average of the model, the pipeline and evaluation: a
+// plain mean would count ignored tokens' zeros. A batch with every token ignored gives 0.
+at::Tensor masked_mean_loss(const at::Tensor& per_token, const at::Tensor& labels,
+                            int64_t ignore_index = kIgnoreIndex);
 
 }  // namespace megatorch::tp
