@@ -213,4 +213,13 @@ NcclOrderReport verify_schedule_nccl_order(ScheduleKind kind, int64_t p, int64_t
   return verify_nccl_order(steps, costs);
 }
 
+NcclOrderReport verify_forward_only_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
+                                               const SimulatorOptions& costs) {
+  check_schedule_args(kind, p, m, v);
+  std::vector<std::vector<P2PStep>> steps;
+  steps.reserve(p);
+  for (int64_t r = 0; r < p; ++r) steps.push_back(forward_only_p2p_steps(kind, p, m, v, r));
+  return verify_nccl_order(steps, costs);
+}
+
 }  // namespace megatorch::pipeline

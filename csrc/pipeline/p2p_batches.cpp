@@ -117,6 +117,10 @@ std::vector<P2PStep> schedule_p2p_steps(ScheduleKind kind, int64_t p, int64_t m,
   return p2p_steps(build_schedule(kind, p, m, v, rank), rank, p, recv_posting(kind));
 }
 
+std::vector<P2PStep> forward_only_p2p_steps(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
+  return p2p_steps(build_forward_only_schedule(kind, p, m, v, rank), rank, p, recv_posting(kind));
+}
+
 std::vector<P2PStep> unbatched_p2p_steps(const std::vector<Action>& actions) {
   std::vector<P2PStep> steps;
   steps.reserve(actions.size());

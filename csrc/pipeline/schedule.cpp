@@ -46,14 +46,21 @@ const char* schedule_kind_name(ScheduleKind kind) {
   return "?";
 }
 
-ScheduleKind parse_schedule_kind(const std::string& name) {
+const char* schedule_kind_names() { return "gpipe, 1f1b or interleaved"; }
+
+std::optional<ScheduleKind> find_schedule_kind(const std::string& name) {
   std::string s;
   for (char c : name) s += c == '-' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s == "gpipe") return ScheduleKind::kGPipe;
   if (s == "1f1b" || s == "one_f_one_b" || s == "pipedream_flush") return ScheduleKind::kOneFOneB;
-  MEGATORCH_CHECK(s == "interleaved" || s == "interleaved_1f1b",
-                  "expected a pipeline schedule named gpipe, 1f1b or interleaved, got '", name, "'");
-  return ScheduleKind::kInterleaved;
+  if (s == "interleaved" || s == "interleaved_1f1b") return ScheduleKind::kInterleaved;
+  return std::nullopt;
+}
+
+ScheduleKind parse_schedule_kind(const std::string& name) {
+  const auto kind = find_schedule_kind(name);
+  MEGATORCH_CHECK(kind, "expected a pipeline schedule named ", schedule_kind_names(), ", got '", name, "'");
+  return *kind;
 }
 
 void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {
@@ -129,18 +136,19 @@ std::vector<Compute> interleaved_order(int64_t p, int64_t m, int64_t v, int64_t 
   return order;
 }
 
-}  // namespace
-
-std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
+std::vector<Compute> compute_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
   check_schedule_args(kind, p, m, v);
   MEGATORCH_CHECK(rank >= 0 && rank < p, "expected a pipeline rank in [0, ", p, "), got ", rank);
-  std::vector<Compute> order;
   switch (kind) {
-    case ScheduleKind::kGPipe: order = gpipe_order(m); break;
-    case ScheduleKind::kOneFOneB: order = one_f_one_b_order(p, m, rank); break;
-    case ScheduleKind::kInterleaved: order = interleaved_order(p, m, v, rank); break;
+    case ScheduleKind::kGPipe: return gpipe_order(m);
+    case ScheduleKind::kOneFOneB: return one_f_one_b_order(p, m, rank);
+    case ScheduleKind::kInterleaved: return interleaved_order(p, m, v, rank);
   }
-  // The transfers each compute implies; a neighbour on this same rank needs none.
+  MEGATORCH_FAIL("unknown pipeline schedule kind ", static_cast<int>(kind));
+}
+
+// The order's computes with the transfers each implies; a neighbour on this same rank needs none.
+std::vector<Action> with_transfers(const std::vector<Compute>& order, int64_t p, int64_t v, int64_t rank) {
   const int64_t last = p * v - 1;
   std::vector<Action> actions;
   actions.reserve(order.size() * 3);
@@ -159,6 +167,18 @@ std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int6
     }
   }
   return actions;
+}
+
+}  // namespace
+
+std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
+  return with_transfers(compute_order(kind, p, m, v, rank), p, v, rank);
+}
+
+std::vector<Action> build_forward_only_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
+  std::vector<Compute> order = compute_order(kind, p, m, v, rank);
+  order.erase(std::remove_if(order.begin(), order.end(), [](const Compute& c) { return !c.forward; }), order.end());
+  return with_transfers(order, p, v, rank);
 }
 
 std::vector<std::vector<Action>> build_schedules(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {

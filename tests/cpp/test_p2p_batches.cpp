@@ -154,6 +154,62 @@ TEST_CASE("every schedule's batches pass the NCCL order model", "[pipeline][p2p]
   CHECK(ops > 300000);  // the sweep is not vacuous
 }
 
+TEST_CASE("forward-only (evaluation) steps pass the NCCL order model", "[pipeline][p2p]") {
+  // The schedule's forwards in its order, each with its transfers, no backward; posted
+  // with the schedule's own RecvPosting.
+  CHECK(render(mp::forward_only_p2p_steps(ScheduleKind::kOneFOneB, 2, 2, 1, 0)) ==
+        "forward(mb 0, chunk 0) [send_activation(mb 0, chunk 0) to rank 1] forward(mb 1, chunk 0) "
+        "[send_activation(mb 1, chunk 0) to rank 1]");
+  CHECK(render(mp::forward_only_p2p_steps(ScheduleKind::kOneFOneB, 2, 2, 1, 1)) ==
+        "[recv_activation(mb 0, chunk 0) from rank 0] forward(mb 0, chunk 0) "
+        "[recv_activation(mb 1, chunk 0) from rank 0] forward(mb 1, chunk 0)");
+  // Interleaved keeps its groups of p micro-batches: chunk 0 of mb 0 and 1, then chunk 1.
+  CHECK(render(mp::forward_only_p2p_steps(ScheduleKind::kInterleaved, 2, 2, 2, 0)) ==
+        "forward(mb 0, chunk 0) [send_activation(mb 0, chunk 0) to rank 1] forward(mb 1, chunk 0) "
+        "[recv_activation(mb 0, chunk 1) from rank 1, send_activation(mb 1, chunk 0) to rank 1] "
+        "forward(mb 0, chunk 1) [recv_activation(mb 1, chunk 1) from rank 1, send_activation(mb 0, chunk 1) to rank 1] "
+        "forward(mb 1, chunk 1) [send_activation(mb 1, chunk 1) to rank 1]");
+  // p <= 16, every m up to 3p for gpipe and 1f1b (m < p too), m in {p, 2p, 4p} for
+  // interleaved with v in {1, 2, 4}: no deadlock, no mismatch, every op matched, and the
+  // steps are the forward-only list regrouped.
+  int64_t configs = 0, ops = 0;
+  for (int64_t p = 1; p <= 16; ++p) {
+    std::vector<std::pair<ScheduleKind, std::pair<int64_t, int64_t>>> cases;  // (kind, (m, v))
+    for (int64_t m = 1; m <= 3 * p; ++m) {
+      cases.push_back({ScheduleKind::kGPipe, {m, 1}});
+      cases.push_back({ScheduleKind::kOneFOneB, {m, 1}});
+    }
+    for (int64_t m : {p, 2 * p, 4 * p})
+      for (int64_t v : {1, 2, 4}) cases.push_back({ScheduleKind::kInterleaved, {m, v}});
+    for (const auto& [kind, mv] : cases) {
+      const auto [m, v] = mv;
+      INFO(mp::schedule_kind_name(kind) << " forward only, p " << p << " m " << m << " v " << v);
+      std::vector<std::vector<P2PStep>> steps;
+      for (int64_t r = 0; r < p; ++r) {
+        const auto list = mp::build_forward_only_schedule(kind, p, m, v, r);
+        int64_t forwards = 0;
+        for (const Action& a : list) {
+          REQUIRE((a.kind == ActionKind::kForward || a.kind == ActionKind::kSendActivation ||
+                   a.kind == ActionKind::kRecvActivation));
+          forwards += a.kind == ActionKind::kForward ? 1 : 0;
+        }
+        REQUIRE(forwards == m * v);
+        steps.push_back(mp::forward_only_p2p_steps(kind, p, m, v, r));
+        REQUIRE(check_regrouping(list, steps.back()) == "");
+      }
+      mp::NcclOrderReport report;
+      REQUIRE_NOTHROW(report = mp::verify_nccl_order(steps));
+      REQUIRE_NOTHROW(mp::verify_forward_only_nccl_order(kind, p, m, v));
+      // Every virtual-stage boundary between two ranks carries each micro-batch once, a send and a receive.
+      REQUIRE(report.ops == (p > 1 ? 2 * m * (p * v - 1) : 0));
+      ops += report.ops;
+      ++configs;
+    }
+  }
+  CHECK(configs == 16 * 17 * 3 + 16 * 9);  // sum over p of 2·3p, and 9 interleaved cases per p
+  CHECK(ops > 100000);  // the sweep is not vacuous
+}
+
 TEST_CASE("the NCCL order model rejects unbatched and mis-posted transfers", "[pipeline][p2p]") {
   // (a) One op per batch, as the executor posted them before: 1F1B's steady state
   // deadlocks for every p >= 2, m >= 2 (rank p-2 sends activation 1 while rank p-1 sends

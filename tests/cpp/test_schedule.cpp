@@ -359,6 +359,10 @@ TEST_CASE("bad schedule arguments fail with what was expected and what was given
     CHECK(mp::parse_schedule_kind(mp::schedule_kind_name(kind)) == kind);
   CHECK_THROWS_WITH(mp::parse_schedule_kind("zb-h1"),
                     Catch::Contains("expected a pipeline schedule named gpipe, 1f1b or interleaved, got 'zb-h1'"));
+  CHECK(std::string(mp::schedule_kind_names()) == "gpipe, 1f1b or interleaved");
+  CHECK(mp::find_schedule_kind("PipeDream-Flush") == ScheduleKind::kOneFOneB);
+  CHECK_FALSE(mp::find_schedule_kind("").has_value());
+  CHECK_FALSE(mp::find_schedule_kind("1f1b ").has_value());
   CHECK(Ratio::of(6, 16) == Ratio{3, 8});
   CHECK(Ratio::of(0, 5).str() == "0");
   CHECK_THROWS_WITH(Ratio::of(1, 0), Catch::Contains("positive denominator"));

@@ -43,5 +43,8 @@ NcclOrderReport verify_nccl_order(const std::vector<std::vector<P2PStep>>& steps
 // verify_nccl_order over schedule_p2p_steps of every rank of (kind, p, m, v).
 NcclOrderReport verify_schedule_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
                                            const SimulatorOptions& costs = {});
+// verify_nccl_order over forward_only_p2p_steps of every rank (evaluation's steps).
+NcclOrderReport verify_forward_only_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
+                                               const SimulatorOptions& costs = {});
 
 }  // namespace megatorch::pipeline

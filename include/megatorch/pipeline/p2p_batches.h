@@ -88,6 +88,9 @@ std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank,
 // p2p_steps of build_schedule(kind, p, m, v, rank) with recv_posting(kind).
 std::vector<P2PStep> schedule_p2p_steps(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);
 
+// p2p_steps of build_forward_only_schedule(kind, p, m, v, rank) with recv_posting(kind).
+std::vector<P2PStep> forward_only_p2p_steps(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);
+
 // One op per batch, in list order: what posting each action alone means on NCCL (the
 // executor's former order). The tests show that it deadlocks where the batches do not.
 std::vector<P2PStep> unbatched_p2p_steps(const std::vector<Action>& actions);

@@ -8,6 +8,7 @@
 // s = chunk * p + rank lives on rank s % p as its model chunk s / p. A micro-batch goes
 // forward through s = 0 .. p*v-1 and backward through s = p*v-1 .. 0.
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -57,9 +58,15 @@ enum class ScheduleKind {
 
 // "gpipe", "1f1b", "interleaved": the spelling of the command-line flag.
 const char* schedule_kind_name(ScheduleKind kind);
+// "gpipe, 1f1b or interleaved": the names above, for help texts and errors.
+const char* schedule_kind_names();
 // Accepts those names, case-insensitively, and the aliases one_f_one_b, pipedream_flush
 // and interleaved_1f1b ('-' and '_' alike); anything else fails listing the valid names.
+// The one parser of schedule names: the trainer, its flags and the tools use it.
 ScheduleKind parse_schedule_kind(const std::string& name);
+// parse_schedule_kind without the error: nullopt for a name it refuses (e.g. to let a
+// command-line parser word the message).
+std::optional<ScheduleKind> find_schedule_kind(const std::string& name);
 
 // Megatron's placement of virtual stages on ranks.
 inline int64_t virtual_stage(int64_t chunk, int64_t rank, int64_t p) { return chunk * p + rank; }
@@ -77,6 +84,13 @@ void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
 // Sends are meant to be posted asynchronously (isend): a rank never waits for its send
 // to be received, only a recv waits for the matching send.
 std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);
+
+// Megatron's forward_only (evaluation): the schedule's forwards in the schedule's order,
+// each with its receive and send, and no backward. For GPipe and 1F1B that is micro-batch
+// order; for interleaved, the chunks in its groups of p micro-batches, so the ranks keep
+// the pipeline full instead of passing one micro-batch around at a time. Posted with the
+// schedule's own RecvPosting (p2p_batches.h), which the NCCL order model checks.
+std::vector<Action> build_forward_only_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);
 
 // build_schedule for every rank 0 .. p-1.
 std::vector<std::vector<Action>> build_schedules(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
