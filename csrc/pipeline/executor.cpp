@@ -9,16 +9,21 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/pipeline/compute_timer.h"
 #include "megatorch/pipeline/p2p_batches.h"
+#include "megatorch/tp/cross_entropy.h"
 
 namespace megatorch::pipeline {
 namespace {
 
 using Key = std::pair<int64_t, int64_t>;  // (micro-batch, chunk)
+// A posted batch, shared by the receives it brings and the sends it carries; waited at
+// most once (waiting again is free).
+using Batch = std::shared_ptr<comm::Work>;
 
 // A distinct tag per message (kind, micro-batch, receiving virtual stage: p2p_message,
 // which sender and receiver compute alike), so Gloo, which pairs by tag, can never pair
@@ -38,214 +43,271 @@ void backward_from(const at::Tensor& output, const at::Tensor& grad) {
                                                         /*accumulate_grad=*/true);
 }
 
-struct Stash {
-  at::Tensor input;   // the received activation (requires grad), undefined on the first stage
-  at::Tensor output;  // the stage output (or the scaled loss on the last stage)
+// A receive a batch posted and no compute has consumed yet.
+struct PendingRecv {
+  Batch work;         // null: none posted
+  at::Tensor buffer;  // filled once `work` completes
+};
+
+// Everything the step holds for one (micro-batch, chunk) between the actions that touch it.
+struct ChunkState {
+  PendingRecv activation;  // the forward's input, from the previous virtual stage
+  PendingRecv grad;        // the backward's output gradient, from the next virtual stage
+  at::Tensor input;        // the received activation (requires grad); undefined on the first stage
+  at::Tensor output;       // the stage output (or the scaled loss on the last stage)
+};
+
+// One call of run_pipeline_step: the schedule's p2p steps (p2p_batches.h) applied in
+// order, one handler per kind of step, to one ChunkState per (micro-batch, chunk).
+class StepRun {
+ public:
+  StepRun(PipelineStage& stage, const std::vector<MicroBatch>& mbs, const ExecutorOptions& options)
+      : stage_(stage),
+        mbs_(mbs),
+        options_(options),
+        p_(stage->pp_size()),
+        rank_(stage->pp_rank()),
+        v_(stage->num_chunks()),
+        m_(static_cast<int64_t>(mbs.size())),
+        act_opts_(at::TensorOptions().dtype(stage->options.config().params_dtype()).device(
+            stage->options.config().device())),
+        timer_(act_opts_.device()) {}
+
+  PipelineStepResult run() {
+    MEGATORCH_CHECK(m_ >= 1, "pipeline: expected at least one micro-batch");
+    MEGATORCH_CHECK(options_.schedule() == ScheduleKind::kInterleaved || v_ == 1, "pipeline: the ",
+                    schedule_kind_name(options_.schedule()), " schedule runs one chunk per stage, got ", v_,
+                    " virtual chunks; use the interleaved schedule");
+    const auto actions = options_.forward_only()
+                             ? build_forward_only_schedule(options_.schedule(), p_, m_, v_, rank_)
+                             : build_schedule(options_.schedule(), p_, m_, v_, rank_);
+    backwards_left_ = std::count_if(actions.begin(), actions.end(),
+                                    [](const Action& a) { return a.kind == ActionKind::kBackward; });
+    if (p_ > 1) pp_ = std::make_unique<comm::Group>(stage_->options.pp_group());
+    const auto& cfg = stage_->options.config();
+    for (int64_t i = 0; i < m_; ++i) {
+      // Shapes between stages come from the config: check the batch before any p2p.
+      MEGATORCH_CHECK(mbs_[i].ids.dim() == 2 && mbs_[i].ids.size(1) == cfg.seq_length() &&
+                          mbs_[i].ids.sizes() == mbs_[0].ids.sizes() && mbs_[i].labels.sizes() == mbs_[i].ids.sizes(),
+                      "pipeline: expected every micro-batch's ids and labels to be [b, ", cfg.seq_length(),
+                      "] with one b, got ids ", mbs_[i].ids.sizes(), " and labels ", mbs_[i].labels.sizes(),
+                      " for micro-batch ", i);
+    }
+    act_shape_ = stage_->activation_shape(mbs_[0].ids.size(0));
+    // A stashed micro-batch holds one [s, b, h] activation's worth for its backward.
+    act_bytes_ = static_cast<int64_t>(at::empty({0}, act_opts_).element_size());
+    for (int64_t d : act_shape_) act_bytes_ *= d;
+
+    // Forward only builds no graph: nothing is kept for a backward.
+    std::optional<at::NoGradGuard> no_grad;
+    if (options_.forward_only()) no_grad.emplace();
+    // Transfers go out in the schedule's batches (p2p_batches.h): on NCCL each batch is one
+    // group, which is what keeps the 1F1B steady state and the interleaved schedule from
+    // deadlocking; on Gloo the same ops are posted one by one with their tags.
+    for (const P2PStep& step : p2p_steps(actions, rank_, p_, recv_posting(options_.schedule()))) {
+      if (step.is_batch()) {
+        post(step.batch);
+      } else if (step.compute.kind == ActionKind::kForward) {
+        forward(step.compute);
+      } else if (step.compute.kind == ActionKind::kBackward) {
+        backward(step.compute);
+      } else {
+        MEGATORCH_FAIL("pipeline: the executor does not run ", action_kind_name(step.compute.kind), " actions yet");
+      }
+    }
+    return finish();
+  }
+
+ private:
+  // Posts one batch of sends and receives; the receives' buffers wait in their ChunkState.
+  void post(const std::vector<Action>& batch) {
+    std::vector<comm::P2POp> ops;
+    ops.reserve(batch.size());
+    for (const Action& a : batch) {
+      comm::P2POp op;
+      op.peer = a.peer;
+      op.tag = tag_of(a, rank_, p_, v_);
+      switch (a.kind) {
+        case ActionKind::kRecvActivation:
+        case ActionKind::kRecvGrad:
+          op.kind = comm::P2POp::Kind::kRecv;
+          op.tensor = at::empty(act_shape_, act_opts_);
+          break;
+        case ActionKind::kSendActivation:
+          op.tensor = chunks_.at(key_of(a)).output.detach();
+          break;
+        case ActionKind::kSendGrad: {
+          const at::Tensor& input = chunks_.at(key_of(a)).input;
+          MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
+                          " chunk ", a.chunk, "; the stage's output does not depend on its input");
+          op.tensor = input.grad();  // the batch's Work keeps it alive until sent
+          break;
+        }
+        default:
+          MEGATORCH_FAIL("pipeline: expected only sends and receives in a p2p batch, got ", to_string(a));
+      }
+      ops.push_back(std::move(op));
+    }
+    // One Work per op where the backend does not coalesce (Gloo): a compute then waits
+    // for its own receive only, not for the batch's sends to be taken up too.
+    std::vector<Batch> works;
+    if (pp_->coalesces(act_opts_.device().type())) {
+      works.assign(ops.size(), std::make_shared<comm::Work>(pp_->batch_p2p(ops)));
+    } else {
+      for (const auto& op : ops) works.push_back(std::make_shared<comm::Work>(pp_->batch_p2p({op})));
+    }
+    batches_.insert(batches_.end(), works.begin(), works.end());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Action& a = batch[i];
+      if (is_recv(a.kind)) {
+        ChunkState& st = state(a);
+        (a.kind == ActionKind::kRecvActivation ? st.activation : st.grad) = PendingRecv{works[i], ops[i].tensor};
+      } else if (a.kind == ActionKind::kSendActivation) {
+        if (options_.forward_only()) {
+          chunks_.erase(key_of(a));  // no backward needs it; the Work holds the tensor until sent
+        } else {
+          pending_sends_.emplace_back(works[i], key_of(a));
+        }
+      }
+    }
+  }
+
+  void forward(const Action& a) {
+    const bool keep_graph = !options_.forward_only();
+    models::GPTModel model = stage_->chunk(a.chunk);
+    ChunkState& st = state(a);
+    at::Tensor input;
+    if (stage_->is_first_virtual_stage(a.chunk)) {
+      input = mbs_[a.microbatch].ids;
+    } else {
+      if (p_ == 1) {  // interleaved on one rank: the previous chunk's output, in place
+        const Key prev{a.microbatch, a.chunk - 1};
+        input = chunks_.at(prev).output.detach();
+        if (!keep_graph) chunks_.erase(prev);
+      } else {
+        input = take(st.activation, a);
+      }
+      // Kept for its gradient, which the backward sends to the previous virtual stage.
+      if (keep_graph) st.input = input.requires_grad_(true);
+    }
+    // Compute starts once the input is here: waiting on the receive is bubble, not work.
+    const int64_t interval = timer_.start();
+    timed_.push_back(a);
+    at::Tensor out = model->forward(input);
+    const bool last = stage_->is_last_virtual_stage(a.chunk);
+    if (last) {
+      const at::Tensor& labels = mbs_[a.microbatch].labels;
+      const at::Tensor mb_loss = tp::masked_mean_loss(model->per_token_loss(out, labels), labels);
+      loss_sum_ = loss_sum_.defined() ? loss_sum_ + mb_loss.detach() : mb_loss.detach();
+      if (keep_graph) out = mb_loss / static_cast<double>(m_);  // micro-batch losses averaged
+    }
+    if (keep_graph) {
+      st.output = out;
+      stashed_ += 1;
+      result_.peak_stashed = std::max(result_.peak_stashed, stashed_);
+      result_.peak_stashed_bytes = std::max(result_.peak_stashed_bytes, stashed_ * act_bytes_);
+    } else if (last) {
+      chunks_.erase(key_of(a));  // the loss is all forward-only keeps of the last stage
+    } else {
+      st.output = out;  // until sent, or read by the next chunk on this rank
+    }
+    timer_.stop(interval);
+  }
+
+  void backward(const Action& a) {
+    free_sent_outputs(false);
+    ChunkState& st = chunks_.at(key_of(a));
+    if (options_.before_backward()) options_.before_backward()(--backwards_left_ == 0);
+    at::Tensor grad;
+    if (stage_->is_last_virtual_stage(a.chunk)) {
+      grad = at::full_like(st.output, options_.loss_scale());
+    } else if (p_ == 1) {  // interleaved on one rank: the next chunk's input gradient
+      grad = chunks_.at({a.microbatch, a.chunk + 1}).input.grad();
+    } else {
+      grad = take(st.grad, a);
+    }
+    const int64_t interval = timer_.start();
+    timed_.push_back(a);
+    backward_from(st.output, grad);
+    timer_.stop(interval);
+    stashed_ -= 1;
+    st.output = at::Tensor();
+  }
+
+  // The input a compute consumes: wait for the batch that brings it.
+  at::Tensor take(PendingRecv& recv, const Action& a) {
+    MEGATORCH_CHECK(recv.work, "pipeline: rank ", rank_, " runs ", to_string(a),
+                    " but no batch posted its receive; the schedule's steps must receive before they compute");
+    recv.work->wait();
+    at::Tensor buffer = std::move(recv.buffer);
+    recv = PendingRecv{};
+    return buffer;
+  }
+
+  // Megatron's deallocation: a sent output keeps only its autograd graph, for backward.
+  void free_sent_outputs(bool all) {
+    for (auto it = pending_sends_.begin(); it != pending_sends_.end();) {
+      if (!all && !it->first->is_completed()) {
+        ++it;
+        continue;
+      }
+      it->first->wait();
+      auto st = chunks_.find(it->second);
+      if (options_.deallocate_outputs() && st != chunks_.end() && st->second.output.defined()) {
+        st->second.output.set_data(at::empty({0}, st->second.output.options()));
+      }
+      it = pending_sends_.erase(it);
+    }
+  }
+
+  PipelineStepResult finish() {
+    free_sent_outputs(true);
+    for (auto& batch : batches_) batch->wait();
+    const auto spans = timer_.finish();
+    for (size_t i = 0; i < timed_.size(); ++i)
+      result_.timeline.push_back({rank_, timed_[i], spans[i].first, spans[i].second});
+    // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
+    chunks_.clear();
+    for (const auto& r : result_.timeline) result_.busy_s += r.end - r.start;
+    result_.makespan_s =
+        result_.timeline.empty() ? 0 : result_.timeline.back().end - result_.timeline.front().start;
+    if (loss_sum_.defined()) result_.loss = loss_sum_ / static_cast<double>(m_);
+    return std::move(result_);
+  }
+
+  static Key key_of(const Action& a) { return {a.microbatch, a.chunk}; }
+  ChunkState& state(const Action& a) { return chunks_[key_of(a)]; }
+
+  PipelineStage& stage_;
+  const std::vector<MicroBatch>& mbs_;
+  const ExecutorOptions& options_;
+  const int64_t p_, rank_, v_, m_;
+  const at::TensorOptions act_opts_;
+  std::vector<int64_t> act_shape_;
+  int64_t act_bytes_ = 0;
+  std::unique_ptr<comm::Group> pp_;
+  std::map<Key, ChunkState> chunks_;
+  std::vector<Batch> batches_;                        // all of them, waited at the end of the step
+  std::vector<std::pair<Batch, Key>> pending_sends_;  // outputs freed once their batch is done
+  at::Tensor loss_sum_;
+  int64_t backwards_left_ = 0;
+  int64_t stashed_ = 0;  // outputs held for a backward
+  // Monotonic-clock seconds (one clock for every process of a machine, so the ranks'
+  // timelines line up when gathered); device events on a GPU (compute_timer.h).
+  ComputeTimer timer_;
+  std::vector<Action> timed_;  // the compute actions, in the timer's interval order
+  PipelineStepResult result_;
 };
 
 }  // namespace
 
 PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& mbs,
                                      const ExecutorOptions& options) {
-  const int64_t p = stage->pp_size(), rank = stage->pp_rank(), v = stage->num_chunks();
-  const int64_t m = static_cast<int64_t>(mbs.size());
-  MEGATORCH_CHECK(m >= 1, "pipeline: expected at least one micro-batch");
-  MEGATORCH_CHECK(options.schedule() == ScheduleKind::kInterleaved || v == 1, "pipeline: the ",
-                  schedule_kind_name(options.schedule()), " schedule runs one chunk per stage, got ", v,
-                  " virtual chunks; use the interleaved schedule");
-  const auto actions = build_schedule(options.schedule(), p, m, v, rank);
-  int64_t backwards_left = std::count_if(actions.begin(), actions.end(),
-                                         [](const Action& a) { return a.kind == ActionKind::kBackward; });
-  std::unique_ptr<comm::Group> pp;
-  if (p > 1) pp = std::make_unique<comm::Group>(stage->options.pp_group());
-  const auto& cfg = stage->options.config();
-  for (int64_t i = 0; i < m; ++i) {
-    // Shapes between stages come from the config: check the batch before any p2p.
-    MEGATORCH_CHECK(mbs[i].ids.dim() == 2 && mbs[i].ids.size(1) == cfg.seq_length() &&
-                        mbs[i].ids.sizes() == mbs[0].ids.sizes() && mbs[i].labels.sizes() == mbs[i].ids.sizes(),
-                    "pipeline: expected every micro-batch's ids and labels to be [b, ", cfg.seq_length(),
-                    "] with one b, got ids ", mbs[i].ids.sizes(), " and labels ", mbs[i].labels.sizes(),
-                    " for micro-batch ", i);
-  }
-  const auto act_shape = stage->activation_shape(mbs[0].ids.size(0));
-  const auto act_opts = at::TensorOptions().dtype(stage->options.config().params_dtype()).device(
-      stage->options.config().device());
-
-  PipelineStepResult result;
-  std::map<Key, Stash> stash;
-  // A posted batch, shared by the receives it brings and the sends it carries; waited at
-  // most once (waiting again is free).
-  using Batch = std::shared_ptr<comm::Work>;
-  std::vector<Batch> batches;  // all of them, waited at the end of the step
-  std::map<Key, Batch> recv_act, recv_grad;
-  std::map<Key, at::Tensor> recv_act_buf, recv_grad_buf;
-  std::vector<std::pair<Batch, Key>> pending_sends;  // outputs freed once their batch is done
-  at::Tensor loss_sum;
-  // A stashed micro-batch holds one [s, b, h] activation's worth for its backward.
-  int64_t act_bytes = static_cast<int64_t>(at::empty({0}, act_opts).element_size());
-  for (int64_t d : act_shape) act_bytes *= d;
-  int64_t stashed = 0;
-  // Monotonic-clock seconds (one clock for every process of a machine, so the ranks'
-  // timelines line up when gathered); device events on a GPU (compute_timer.h).
-  ComputeTimer timer(act_opts.device());
-  std::vector<Action> timed;  // the compute actions, in the timer's interval order
-
-  auto free_sent_outputs = [&](bool all) {
-    for (auto it = pending_sends.begin(); it != pending_sends.end();) {
-      if (!all && !it->first->is_completed()) {
-        ++it;
-        continue;
-      }
-      it->first->wait();
-      auto st = stash.find(it->second);
-      if (options.deallocate_outputs() && st != stash.end() && st->second.output.defined()) {
-        st->second.output.set_data(at::empty({0}, st->second.output.options()));
-      }
-      it = pending_sends.erase(it);
-    }
-  };
-  // The input a compute consumes: wait for the batch that brings it.
-  auto take = [&](std::map<Key, Batch>& works, std::map<Key, at::Tensor>& bufs, const Key& key, const Action& a) {
-    auto w = works.find(key);
-    MEGATORCH_CHECK(w != works.end(), "pipeline: rank ", rank, " runs ", to_string(a),
-                    " but no batch posted its receive; the schedule's steps must receive before they compute");
-    w->second->wait();
-    works.erase(w);
-    at::Tensor buf = bufs.at(key);
-    bufs.erase(key);
-    return buf;
-  };
-
-  // Transfers go out in the schedule's batches (p2p_batches.h): on NCCL each batch is one
-  // group, which is what keeps the 1F1B steady state and the interleaved schedule from
-  // deadlocking; on Gloo the same ops are posted one by one with their tags.
-  for (const P2PStep& step : p2p_steps(actions, rank, p, recv_posting(options.schedule()))) {
-    if (step.is_batch()) {
-      std::vector<comm::P2POp> ops;
-      ops.reserve(step.batch.size());
-      for (const Action& a : step.batch) {
-        const Key key{a.microbatch, a.chunk};
-        comm::P2POp op;
-        op.peer = a.peer;
-        op.tag = tag_of(a, rank, p, v);
-        switch (a.kind) {
-          case ActionKind::kRecvActivation:
-          case ActionKind::kRecvGrad:
-            op.kind = comm::P2POp::Kind::kRecv;
-            op.tensor = at::empty(act_shape, act_opts);
-            break;
-          case ActionKind::kSendActivation:
-            op.tensor = stash.at(key).output.detach();
-            break;
-          case ActionKind::kSendGrad: {
-            const at::Tensor& input = stash.at(key).input;
-            MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
-                            " chunk ", a.chunk, "; the stage's output does not depend on its input");
-            op.tensor = input.grad();  // the batch's Work keeps it alive until sent
-            break;
-          }
-          default:
-            MEGATORCH_FAIL("pipeline: expected only sends and receives in a p2p batch, got ", to_string(a));
-        }
-        ops.push_back(std::move(op));
-      }
-      // One Work per op where the backend does not coalesce (Gloo): a compute then waits
-      // for its own receive only, not for the batch's sends to be taken up too.
-      std::vector<Batch> works;
-      if (pp->coalesces(act_opts.device().type())) {
-        works.assign(ops.size(), std::make_shared<comm::Work>(pp->batch_p2p(ops)));
-      } else {
-        for (const auto& op : ops) works.push_back(std::make_shared<comm::Work>(pp->batch_p2p({op})));
-      }
-      batches.insert(batches.end(), works.begin(), works.end());
-      for (size_t i = 0; i < step.batch.size(); ++i) {
-        const Action& a = step.batch[i];
-        const Key key{a.microbatch, a.chunk};
-        if (is_recv(a.kind)) {
-          const bool act = a.kind == ActionKind::kRecvActivation;
-          (act ? recv_act : recv_grad).emplace(key, works[i]);
-          (act ? recv_act_buf : recv_grad_buf).emplace(key, ops[i].tensor);
-        } else if (a.kind == ActionKind::kSendActivation) {
-          pending_sends.emplace_back(works[i], key);
-        }
-      }
-      continue;
-    }
-    const Action& a = step.compute;
-    const Key key{a.microbatch, a.chunk};
-    switch (a.kind) {
-      case ActionKind::kForward: {
-        models::GPTModel model = stage->chunk(a.chunk);
-        Stash s;
-        at::Tensor input;
-        if (stage->is_first_virtual_stage(a.chunk)) {
-          input = mbs[a.microbatch].ids;
-        } else if (p == 1) {  // interleaved on one rank: the previous chunk's output, in place
-          const Stash& prev = stash.at({a.microbatch, a.chunk - 1});
-          input = prev.output.detach().requires_grad_(true);
-          s.input = input;
-        } else {
-          input = take(recv_act, recv_act_buf, key, a).requires_grad_(true);
-          s.input = input;
-        }
-        // Compute starts once the input is here: waiting on the receive is bubble, not work.
-        const int64_t interval = timer.start();
-        timed.push_back(a);
-        at::Tensor out = model->forward(input);
-        if (stage->is_last_virtual_stage(a.chunk)) {
-          const at::Tensor& labels = mbs[a.microbatch].labels;
-          const at::Tensor per_token = model->per_token_loss(out, labels);
-          const at::Tensor valid = (labels != -100).sum().clamp_min(1).to(per_token.scalar_type());
-          const at::Tensor mb_loss = per_token.sum() / valid;
-          loss_sum = loss_sum.defined() ? loss_sum + mb_loss.detach() : mb_loss.detach();
-          out = mb_loss / static_cast<double>(m);  // micro-batch losses averaged
-        }
-        s.output = out;
-        stashed += 1;
-        result.peak_stashed = std::max(result.peak_stashed, stashed);
-        result.peak_stashed_bytes = std::max(result.peak_stashed_bytes, stashed * act_bytes);
-        stash[key] = std::move(s);
-        timer.stop(interval);
-        break;
-      }
-      case ActionKind::kBackward: {
-        free_sent_outputs(false);
-        Stash& s = stash.at(key);
-        if (options.before_backward()) options.before_backward()(--backwards_left == 0);
-        at::Tensor grad;
-        if (stage->is_last_virtual_stage(a.chunk)) {
-          grad = at::full_like(s.output, options.loss_scale());
-        } else if (p == 1) {  // interleaved on one rank: the next chunk's input gradient
-          grad = stash.at({a.microbatch, a.chunk + 1}).input.grad();
-        } else {
-          grad = take(recv_grad, recv_grad_buf, key, a);
-        }
-        const int64_t interval = timer.start();
-        timed.push_back(a);
-        backward_from(s.output, grad);
-        timer.stop(interval);
-        stashed -= 1;
-        s.output = at::Tensor();
-        break;
-      }
-      default:
-        MEGATORCH_FAIL("pipeline: the executor does not run ", action_kind_name(a.kind), " actions yet");
-    }
-  }
-  free_sent_outputs(true);
-  for (auto& batch : batches) batch->wait();
-  const auto spans = timer.finish();
-  for (size_t i = 0; i < timed.size(); ++i) result.timeline.push_back({rank, timed[i], spans[i].first, spans[i].second});
-  // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
-  stash.clear();
-  for (const auto& r : result.timeline) result.busy_s += r.end - r.start;
-  result.makespan_s = result.timeline.empty() ? 0 : result.timeline.back().end - result.timeline.front().start;
-  if (loss_sum.defined()) result.loss = loss_sum / static_cast<double>(m);
-  return result;
+  return StepRun(stage, mbs, options).run();
 }
 
 std::vector<TimelineRecord> gather_timeline(const PipelineStepResult& result, const std::string& pp_group) {
-  // Every rank runs the same number of compute actions (2·m·v): one all-gather of
+  // Every rank runs the same number of compute actions (2·m·v; m·v forward only): one all-gather of
   // [n, 5] doubles (kind, micro-batch, chunk, start, end) brings them all.
   const int64_t n = static_cast<int64_t>(result.timeline.size());
   at::Tensor mine = at::empty({n, 5}, at::kDouble);

@@ -110,6 +110,84 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
   }
 }
 
+TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradients", "[mp][pipeline]") {
+  const int64_t world = mp::world_size();
+  std::vector<std::pair<int64_t, int64_t>> layouts{{1, world}, {world, 1}};  // (tp, pp)
+  if (world == 4) layouts.push_back({2, 2});
+  for (auto [tpn, ppn] : layouts) {
+    auto st = mp::state(tpn, ppn, "pipe_fwd_" + std::to_string(tpn) + "_" + std::to_string(ppn));
+    Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);
+    for (auto kind : {pipeline::ScheduleKind::kGPipe, pipeline::ScheduleKind::kOneFOneB,
+                      pipeline::ScheduleKind::kInterleaved}) {
+      const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
+      const int64_t m = 2 * ppn;
+      auto config = gpt_test::base_config().num_layers(8);
+      INFO(pipeline::schedule_kind_name(kind) << " tp=" << tpn << " pp=" << ppn);
+      // Some labels ignored, a different number in each micro-batch (micro-batch i: every
+      // (i+2)-th token), so a plain token mean differs from the mean over the others.
+      std::vector<pipeline::MicroBatch> mbs;
+      for (int64_t i = 0; i < m; ++i) {
+        auto d = gpt_test::batch_ids(2, config.seq_length(), config.vocab_size(), 300 + i);
+        at::Tensor labels = d.narrow(1, 1, config.seq_length()).clone();
+        labels.view(-1).slice(0, 0, labels.numel(), i + 2).fill_(megatorch::tp::kIgnoreIndex);
+        mbs.push_back({d.narrow(1, 0, config.seq_length()), labels});
+      }
+      // Reference: the whole model, each micro-batch's loss summed over its valid tokens
+      // and divided by their count, averaged over micro-batches; and what the trainer's
+      // evaluation computed before it ran through the executor (a plain token mean).
+      GPTModel full{GPTModelOptions(config)};
+      full->eval();
+      double ref = 0, plain_mean = 0;
+      {
+        torch::NoGradGuard no_grad;
+        for (const auto& mb : mbs) {
+          const auto per_token = full->per_token_loss(full->forward(mb.ids), mb.labels);
+          ref += (per_token.sum() / (mb.labels != -100).sum()).item<double>() / static_cast<double>(m);
+          plain_mean += per_token.mean().item<double>() / static_cast<double>(m);
+        }
+      }
+      pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config)
+                                        .tp_group(tpg.name())
+                                        .pp_group(ppn > 1 ? ppg.name() : "")
+                                        .virtual_chunks(v));
+      stage->eval();
+      ppg.reset_stats();
+      const auto result =
+          pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind).forward_only(true));
+      // Only the forwards' transfers, one activation each.
+      int64_t sends = 0, recvs = 0, forwards = 0;
+      for (const auto& a : pipeline::build_forward_only_schedule(kind, ppn, m, v, ppg.rank())) {
+        sends += pipeline::is_send(a.kind) ? 1 : 0;
+        recvs += pipeline::is_recv(a.kind) ? 1 : 0;
+        forwards += a.kind == pipeline::ActionKind::kForward ? 1 : 0;
+        CHECK(a.kind != pipeline::ActionKind::kBackward);
+      }
+      CHECK(forwards == m * v);
+      const auto act = stage->activation_shape(2);
+      CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].calls == sends);
+      CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * act[0] * act[1] * act[2] * 4);
+      CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].calls == recvs);
+      if (ppg.rank() == ppg.size() - 1) {
+        REQUIRE(result.loss.defined());
+        CHECK_FALSE(result.loss.requires_grad());
+        const double got = result.loss.item<double>();
+        CHECK(got == Approx(ref).epsilon(1e-5));
+        CHECK(std::abs(got - plain_mean) > 1e-2);  // the ignored tokens' zeros are not averaged in
+      } else {
+        CHECK_FALSE(result.loss.defined());
+      }
+      for (int64_t c = 0; c < stage->num_chunks(); ++c) {
+        for (const auto& p : stage->chunk(c)->named_parameters()) {
+          INFO(p.key());
+          CHECK_FALSE(p.value().grad().defined());
+        }
+      }
+      CHECK(result.peak_stashed == 0);
+      CHECK(result.timeline.size() == static_cast<size_t>(m * v));
+    }
+  }
+}
+
 TEST_CASE("batch_p2p posts a batch both ways, counts each op, fills non-contiguous buffers", "[mp][pipeline]") {
   using megatorch::comm::CommOp;
   using megatorch::comm::P2POp;

@@ -5,7 +5,8 @@
 // group each, so NCCL's in-order pairing cannot deadlock), micro-batch losses averaged,
 // gradients accumulated, each stage output freed once sent (Megatron's deallocation:
 // only its autograd graph is kept). Records a timestamp per compute action for the timeline and
-// the measured bubble, and the peak activations stashed for backward.
+// the measured bubble, and the peak activations stashed for backward. Forward only
+// (evaluation) runs the schedule's forwards through the same p2p, without autograd.
 #include <ATen/Tensor.h>
 
 #include <vector>
@@ -22,13 +23,13 @@ struct MicroBatch {
 };
 
 struct PipelineStepResult {
-  // Mean over micro-batches of each micro-batch's mean token loss; defined on the last
-  // pipeline rank only (undefined elsewhere).
+  // Mean over micro-batches of each micro-batch's mean loss over its non-ignored tokens
+  // (tp::masked_mean_loss); defined on the last pipeline rank only (undefined elsewhere).
   at::Tensor loss;
   std::vector<TimelineRecord> timeline;  // this rank's compute actions, monotonic-clock seconds
   double busy_s = 0;                     // time in compute actions
   double makespan_s = 0;                 // start to the last action's end
-  int64_t peak_stashed = 0;              // activations held for backward, at most at once
+  int64_t peak_stashed = 0;              // activations held for backward, at most at once (0 forward only)
   int64_t peak_stashed_bytes = 0;        // their bytes: one [s, b, h] activation each
 };
 
@@ -42,9 +43,14 @@ struct ExecutorOptions {
   // Called before each backward, with true for this rank's last one of the step (a
   // data-parallel optimizer starts its gradient reduction during that one).
   TORCH_ARG(std::function<void(bool)>, before_backward) = nullptr;
+  // Megatron's forward_only: the schedule's forwards only (build_forward_only_schedule),
+  // under no_grad, for the loss; no backward, no gradients, nothing stashed, outputs
+  // dropped once sent. loss_scale and before_backward are unused.
+  TORCH_ARG(bool, forward_only) = false;
 };
 
-// One training step's forward and backward over all micro-batches (no optimizer step).
+// One training step's forward and backward over all micro-batches (no optimizer step),
+// or with forward_only the forwards alone (evaluation).
 PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& micro_batches,
                                      const ExecutorOptions& options = {});
 
