@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Build a pipeline-parallel schedule, simulate it and report its bubble and memory.",
                "megatorch-schedule"};
   Args a;
-  app.add_option("--schedule", a.schedule, "gpipe, 1f1b or interleaved")->capture_default_str();
+  app.add_option("--schedule", a.schedule, mp::schedule_kind_names())->capture_default_str();
   app.add_option("--pipeline-model-parallel-size,-p", a.p, "pipeline stages P")->required();
   app.add_option("--num-microbatches,-m", a.m, "micro-batches M per step")->required();
   auto* v = app.add_option("--virtual-pipeline-model-parallel-size,-v", a.v,

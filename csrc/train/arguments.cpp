@@ -12,6 +12,7 @@
 #include "megatorch/data/gpt_datasets.h"
 #include "megatorch/data/preprocess.h"
 #include "megatorch/data/tokenizer_flags.h"
+#include "megatorch/pipeline/schedule.h"
 
 namespace megatorch::train {
 
@@ -34,8 +35,20 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
                  "layers per virtual stage (interleaved 1F1B)");
   app.add_flag("--sequence-parallel", a.sequence_parallel, "sequence parallelism (needs TP > 1)");
-  auto* schedule = app.add_option("--schedule", a.schedule, "pipeline schedule")
-                       ->check(CLI::IsMember({"1f1b", "gpipe", "interleaved"}));
+  // The pipeline's own parser (its aliases too); the name kept is its canonical spelling.
+  auto* schedule = app.add_option("--schedule", a.schedule,
+                                  std::string("pipeline schedule: ") + pipeline::schedule_kind_names())
+                       ->transform(CLI::Validator(
+                           [](std::string& name) {
+                             const auto kind = pipeline::find_schedule_kind(name);
+                             if (!kind) {
+                               return "expected " + std::string(pipeline::schedule_kind_names()) + ", got '" + name +
+                                      "'";
+                             }
+                             name = pipeline::schedule_kind_name(*kind);
+                             return std::string();
+                           },
+                           "SCHEDULE"));
   app.add_option("--zero-stage", a.zero_stage, "ZeRO stage 0-3 (default: 1 with --use-distributed-optimizer, else 0)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer, "shard optimizer states (ZeRO-1)");

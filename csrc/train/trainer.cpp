@@ -28,12 +28,6 @@ namespace {
 using parallel::GroupKind;
 using Clock = std::chrono::steady_clock;
 
-pipeline::ScheduleKind schedule_kind(const std::string& s) {
-  if (s == "gpipe") return pipeline::ScheduleKind::kGPipe;
-  if (s == "interleaved") return pipeline::ScheduleKind::kInterleaved;
-  return pipeline::ScheduleKind::kOneFOneB;
-}
-
 int64_t resident_bytes() {
   std::ifstream f("/proc/self/statm");
   int64_t pages = 0, rss = 0;
@@ -235,7 +229,7 @@ IterationStats Trainer::train_step() {
   const auto result = pipeline::run_pipeline_step(
       stage_, mbs,
       pipeline::ExecutorOptions()
-          .schedule(schedule_kind(args_.schedule))
+          .schedule(pipeline::parse_schedule_kind(args_.schedule))
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
           .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
   // (SP's partial sums and a tied embedding across stages: the optimizer adds them.)
@@ -352,41 +346,6 @@ IterationStats Trainer::train() {
   return last;
 }
 
-// Forward only, micro-batch by micro-batch through the virtual stages in order (a
-// blocking p2p chain): the validation loss needs no schedule.
-double Trainer::forward_only_loss(const std::vector<pipeline::MicroBatch>& mbs) {
-  torch::NoGradGuard no_grad;
-  const int64_t p = state_->pp_size(), v = stage_->num_chunks(), r = state_->pp_rank();
-  std::unique_ptr<comm::Group> pp;
-  if (p > 1) pp = std::make_unique<comm::Group>(state_->group_name(GroupKind::kPipeline));
-  at::Tensor sum;  // on the device: one synchronisation per evaluation batch, not per micro-batch
-  for (const auto& mb : mbs) {
-    at::Tensor h;
-    for (int64_t vs = 0; vs < p * v; ++vs) {
-      if (vs % p != r) continue;
-      auto chunk = stage_->chunk(vs / p);
-      at::Tensor input = mb.ids;
-      if (vs > 0) {
-        if (p > 1) {
-          at::Tensor buf = at::empty(stage_->activation_shape(mb.ids.size(0)), chunk->parameters().front().options());
-          pp->recv(buf, (vs - 1) % p, vs);
-          input = buf;
-        } else {
-          input = h;
-        }
-      }
-      h = chunk->forward(input);
-      if (vs == p * v - 1) {
-        const at::Tensor loss = chunk->per_token_loss(h, mb.labels).mean().to(at::kDouble);
-        sum = sum.defined() ? sum + loss : loss;
-      } else if (p > 1) {
-        pp->send(h.contiguous(), (vs + 1) % p, vs + 1);
-      }
-    }
-  }
-  return sum.defined() ? sum.item<double>() / static_cast<double>(mbs.size()) : 0.0;
-}
-
 double Trainer::evaluate(data::Split split, int64_t iters) {
   const auto& ds = *data_[split];
   if (iters == 0 || ds.size() < args_.global_batch_size) return -1;
@@ -394,7 +353,13 @@ double Trainer::evaluate(data::Split split, int64_t iters) {
   double total = 0;
   // Each evaluation walks the split from its start, so every evaluation sees the same data.
   MicroBatchLoader batches(ds, loader_options());
-  for (int64_t i = 0; i < iters; ++i) total += reduce_loss(forward_only_loss(batches.load(i * args_.global_batch_size)));
+  // The training schedule's forwards through the executor's p2p (Megatron's forward_only).
+  const auto options =
+      pipeline::ExecutorOptions().schedule(pipeline::parse_schedule_kind(args_.schedule)).forward_only(true);
+  for (int64_t i = 0; i < iters; ++i) {
+    const auto result = pipeline::run_pipeline_step(stage_, batches.load(i * args_.global_batch_size), options);
+    total += reduce_loss(result.loss.defined() ? result.loss.item<double>() : 0.0);
+  }
   stage_->train();
   return total / static_cast<double>(iters);
 }

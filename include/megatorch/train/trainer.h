@@ -42,7 +42,9 @@ class Trainer {
   // their intervals; the last iteration always evaluates and, with --save, saves). Returns the last iteration's stats.
   IterationStats train();
   IterationStats train_step();
-  // Mean loss over `iters` global batches of a split (every rank gets it).
+  // Mean loss over `iters` global batches of a split (every rank gets it): each batch's
+  // micro-batches forward only through the pipeline executor, each micro-batch's loss
+  // averaged over its non-ignored tokens, as in training.
   double evaluate(data::Split split, int64_t iters);
 
   void save_checkpoint();
@@ -60,7 +62,6 @@ class Trainer {
   MicroBatchLoaderOptions loader_options() const;
   std::vector<models::GPTModel> chunks() const;
   std::vector<ckpt::ShardedEntry> checkpoint_entries();
-  double forward_only_loss(const std::vector<pipeline::MicroBatch>& mbs);
   double reduce_loss(double local_loss_on_last_stage);
   void log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes, double tokens_per_s,
            double tflops);

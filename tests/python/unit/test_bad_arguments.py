@@ -126,3 +126,14 @@ def test_good_values_still_train(split):
     out = run(["--split", split, "--train-iters", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "0.5",
                "--adam-beta1", "0", "--clip-grad", "0"], env={"MEGATORCH_COMM_TIMEOUT_S": "30"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_schedule_names_are_the_pipelines():
+    """--schedule goes through the pipeline's own parser (pipeline::find_schedule_kind), as the
+    trainer and megatorch-schedule do: its aliases run, anything else is refused naming the
+    accepted schedules."""
+    out = run(["--train-iters", "1", "--schedule", "zb-h1"])
+    assert_refused(out, "--schedule")
+    assert "expected gpipe, 1f1b or interleaved, got 'zb-h1'" in out.stderr, out.stderr[-3000:]
+    out = run(["--train-iters", "1", "--eval-iters", "0", "--schedule", "PipeDream-Flush"])
+    assert out.returncode == 0, out.stderr[-3000:]
