@@ -22,6 +22,9 @@ NCCL_HINT="$("$PY" -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__
 # ccache and precompiled headers: these let ccache hash the .gch instead of refusing it.
 export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Paths under the checkout hashed relative to it: two checkouts (a clean clone, a worktree)
+# share cache entries.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$MT_ROOT}"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 if [[ ! -f "$MT_BUILD/build.ninja" || "$#" -gt 0 || "$(cat "$MT_BUILD/.python" 2>/dev/null)" != "$PY" ]]; then

@@ -88,6 +88,17 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
     return *opt_;
   }
 
+  // The unit schedule of megatorch.nn.FullyShard's units (its root, then each unit), the
+  // same hooks GPTModel runs: gather before forward (prefetching the next), free after,
+  // gather again before backward; a no-op below ZeRO-3.
+  void before_unit_forward(int64_t unit) {
+    if (const auto& h = hooks()) h->before_forward(unit);
+  }
+  at::Tensor after_unit_forward(int64_t unit, const at::Tensor& output) {
+    const auto& h = hooks();
+    return h ? h->after_forward(unit, output) : output;
+  }
+
   c10::Dict<std::string, int64_t> memory_stats() {
     c10::Dict<std::string, int64_t> out;
     for (const auto& [k, v] : get().memory_stats()) out.insert(k, v);
@@ -110,7 +121,17 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
   optim::DistributedOptimizerOptions options_;
   std::vector<int64_t> unit_sizes_;
   std::vector<optim::ParamInfo> info_;
+  const std::shared_ptr<models::UnitHooks>& hooks() {
+    if (!hooks_built_) {
+      hooks_ = get().unit_hooks(0, get().num_units() - 1);
+      hooks_built_ = true;
+    }
+    return hooks_;
+  }
+
   std::unique_ptr<optim::DistributedOptimizer> opt_;
+  std::shared_ptr<models::UnitHooks> hooks_;
+  bool hooks_built_ = false;
 };
 
 using Self = c10::intrusive_ptr<DistributedOptimizerClass>;
@@ -138,6 +159,8 @@ TORCH_LIBRARY_FRAGMENT(megatorch, m) {
       .def("gather_unit", [](const Self& self, int64_t u) { self->get().gather_unit(u); })
       .def("prefetch_unit", [](const Self& self, int64_t u) { self->get().prefetch_unit(u); })
       .def("release_unit", [](const Self& self, int64_t u) { self->get().release_unit(u); })
+      .def("before_unit_forward", &DistributedOptimizerClass::before_unit_forward)
+      .def("after_unit_forward", &DistributedOptimizerClass::after_unit_forward)
       .def("memory_stats", &DistributedOptimizerClass::memory_stats)
       .def("state_dict", &DistributedOptimizerClass::state_dict)
       .def("load_state_dict", &DistributedOptimizerClass::load_state_dict);

@@ -1,8 +1,7 @@
-// DistributedOptimizer's gradient reduction (the part Megatron calls the grad buffer's):
-// a hook after each parameter's gradient is accumulated counts its bucket in, a full
-// bucket starts its all-reduce (stage 0) or reduce-scatter (1-3) while backward goes on,
-// step() waits for them and adds the partial sums other ranks hold (SP's norms, the tied
-// embedding's copies).
+// ParamAndGradBuffer's gradient reduction: a hook after each parameter's gradient is
+// accumulated counts its bucket in, a full bucket starts its all-reduce (stage 0) or
+// reduce-scatter (1-3) while backward goes on, finish_grad_sync() waits for them and adds
+// the partial sums other ranks hold (SP's norms, the tied embedding's copies).
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -11,8 +10,7 @@
 #include <map>
 
 #include "megatorch/check.h"
-#include "megatorch/optim/distributed_optimizer.h"
-#include "optimizer_state.h"
+#include "megatorch/optim/param_and_grad_buffer.h"
 
 namespace megatorch::optim {
 namespace {
@@ -29,7 +27,11 @@ class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-void DistributedOptimizer::register_hooks() {
+ParamAndGradBuffer::~ParamAndGradBuffer() {
+  for (const auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+}
+
+void ParamAndGradBuffer::register_hooks() {
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::autograd::impl::set_post_acc_grad_hooks(
         params_[i], std::make_unique<GradReadyHook>([this, i] { on_grad_ready(static_cast<int64_t>(i)); }));
@@ -38,16 +40,16 @@ void DistributedOptimizer::register_hooks() {
 
 // Stages 2-3: a bucket's full gradients live in a staging buffer from its first
 // gradient of the step until its reduce-scatter has finished.
-void DistributedOptimizer::ensure_grad_staging(int64_t b) {
-  auto& bs = state_->buckets[b];
+void ParamAndGradBuffer::ensure_grad_staging(int64_t b) {
+  auto& bs = buckets_[b];
   if (bs.grad_full.defined()) return;
   const auto& place = layout_.buckets[b];
   bs.grad_full = at::zeros({place.numel}, bs.grad_shard.options());
 }
 
-void DistributedOptimizer::on_grad_ready(int64_t i) {
+void ParamAndGradBuffer::on_grad_ready(int64_t i) {
   const auto& pp = layout_.params[i];
-  auto& bs = state_->buckets[pp.bucket];
+  auto& bs = buckets_[pp.bucket];
   at::Tensor& p = params_[i];
   ensure_grad_staging(pp.bucket);
   // Autograd accumulates in place into a .grad that is already our view; a fresh .grad
@@ -62,18 +64,11 @@ void DistributedOptimizer::on_grad_ready(int64_t i) {
     bs.ready = 0;
     if (grad_sync_ && options_.overlap_grad_reduce()) start_bucket(pp.bucket);
   }
-  if (options_.zero_stage() == 3) {
-    // The unit's backward is over once all of its gradients are in: free its parameters.
-    const int64_t u = unit_of_param_[i];
-    if (++state_->unit_ready[u] == static_cast<int64_t>(units_[u].size())) {
-      state_->unit_ready[u] = 0;
-      release_unit(u);
-    }
-  }
+  if (observer_) observer_(i);
 }
 
-void DistributedOptimizer::start_bucket(int64_t b) {
-  auto& bs = state_->buckets[b];
+void ParamAndGradBuffer::start_bucket(int64_t b) {
+  auto& bs = buckets_[b];
   if (bs.launched) return;
   bs.launched = true;
   if (options_.zero_stage() >= 2) ensure_grad_staging(b);
@@ -84,8 +79,8 @@ void DistributedOptimizer::start_bucket(int64_t b) {
   bs.work = options_.zero_stage() == 0 ? dp_.all_reduce_async(bs.grad_full) : dp_.reduce_scatter_async(bs.grad_full);
 }
 
-void DistributedOptimizer::wait_bucket(int64_t b) {
-  auto& bs = state_->buckets[b];
+void ParamAndGradBuffer::wait_bucket(int64_t b) {
+  auto& bs = buckets_[b];
   at::Tensor result = bs.work.wait();
   bs.work = comm::Work();
   const int64_t stage = options_.zero_stage();
@@ -97,12 +92,23 @@ void DistributedOptimizer::wait_bucket(int64_t b) {
   }
 }
 
-void DistributedOptimizer::finish_grad_sync() {
-  for (size_t b = 0; b < state_->buckets.size(); ++b) start_bucket(static_cast<int64_t>(b));
-  for (size_t b = 0; b < state_->buckets.size(); ++b) {
+// The in-flight reductions of an abandoned backward (a step that was not taken): waited
+// for and dropped, so no collective writes into a buffer being zeroed.
+void ParamAndGradBuffer::drain_in_flight() {
+  for (auto& bs : buckets_) {
+    bs.work.wait();  // a no-op when nothing is in flight
+    bs.work = comm::Work();
+    bs.launched = false;
+    bs.ready = 0;
+  }
+}
+
+void ParamAndGradBuffer::finish_grad_sync() {
+  for (size_t b = 0; b < buckets_.size(); ++b) start_bucket(static_cast<int64_t>(b));
+  for (size_t b = 0; b < buckets_.size(); ++b) {
     wait_bucket(static_cast<int64_t>(b));
-    state_->buckets[b].launched = false;
-    state_->buckets[b].ready = 0;
+    buckets_[b].launched = false;
+    buckets_[b].ready = 0;
   }
   sum_partial_grads();
 }
@@ -112,30 +118,41 @@ void DistributedOptimizer::finish_grad_sync() {
 // their layouts are the same, so the sums line up element for element.
 // With grad_sum_ranks the two copies' owners exchange their slices (one coalesced batch)
 // and add: a + b on one rank, b + a on the other, the same bits.
-void DistributedOptimizer::sum_partial_grads() {
+// The slices are views into the persistent grad_shard of each bucket: found once.
+void ParamAndGradBuffer::plan_partial_sums() {
   std::map<std::pair<std::string, std::vector<int64_t>>, std::vector<at::Tensor>> slices;
-  for (size_t b = 0; b < state_->buckets.size(); ++b) {
-    const auto& bs = state_->buckets[b];
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& bs = buckets_[b];
     for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t, int64_t n) {
       const auto& info = info_[i];
       if (!info.grad_sum_group.empty()) slices[{info.grad_sum_group, info.grad_sum_ranks}].push_back(bs.grad_shard.narrow(0, at, n));
     });
   }
-  at::NoGradGuard no_grad;
   for (auto& [key, views] : slices) {
     const auto& [group_name, ranks] = key;
     comm::Group group(group_name);
-    comm::reduce_flattened(views, [&](at::Tensor& flat) {
-      if (ranks.empty()) {
-        group.all_reduce(flat);
-        return;
-      }
-      const int64_t peer = ranks[0] == group.rank() ? ranks[1] : ranks[0];
+    int64_t peer = -1;
+    if (!ranks.empty()) {
       MEGATORCH_CHECK(ranks[0] != ranks[1] && (ranks[0] == group.rank() || ranks[1] == group.rank()),
                       "DistributedOptimizer: grad_sum_ranks {", ranks[0], ", ", ranks[1], "} of group '", group_name,
                       "' must be two ranks, this rank (", group.rank(), ") one of them");
+      peer = ranks[0] == group.rank() ? ranks[1] : ranks[0];
+    }
+    partial_sums_.push_back(PartialSum{std::move(group), peer, std::move(views)});
+  }
+}
+
+void ParamAndGradBuffer::sum_partial_grads() {
+  at::NoGradGuard no_grad;
+  for (auto& sum : partial_sums_) {
+    comm::reduce_flattened(sum.views, [&sum](at::Tensor& flat) {
+      if (sum.peer < 0) {
+        sum.group.all_reduce(flat);
+        return;
+      }
       at::Tensor other = at::empty_like(flat);
-      group.batch_p2p({{comm::P2POp::Kind::kSend, flat, peer, 0}, {comm::P2POp::Kind::kRecv, other, peer, 0}}).wait();
+      sum.group.batch_p2p({{comm::P2POp::Kind::kSend, flat, sum.peer, 0}, {comm::P2POp::Kind::kRecv, other, sum.peer, 0}})
+          .wait();
       flat.add_(other);
     });
   }

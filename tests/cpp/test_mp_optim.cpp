@@ -45,10 +45,10 @@ Setup make(const gpt_test::TransformerConfig& config, int64_t tp, int64_t stage,
   Setup s;
   s.st = mp::state(tp, 1, name);
   s.model = GPTModel(GPTModelOptions(config).group(s.st->group_name(GroupKind::kTensor)));
-  auto mp_params = megatorch::optim::gpt_model_parameters({s.model});
+  auto mp_params = megatorch::train::gpt_model_parameters({s.model});
   o.zero_stage(stage).lr(lr).eps(kEps).weight_decay(weight_decay).model_parallel_groups({s.st->group_name(GroupKind::kTensor)});
   s.opt = std::make_unique<DistributedOptimizer>(mp_params.units, s.st->group_name(GroupKind::kData), o, mp_params.info);
-  megatorch::optim::attach_unit_hooks({s.model}, *s.opt);
+  megatorch::train::attach_unit_hooks({s.model}, *s.opt);
   return s;
 }
 
@@ -217,10 +217,10 @@ TEST_CASE("Bytes held per rank equal the ZeRO table exactly; bytes moved are 2Ψ
     s.opt->step();
     const auto cs = dp.stats();
     const int64_t elt = 2;  // bf16 gradients and parameters
-    // Sharded gradients (stages 1-3) also need the squared gradient norm summed over DP:
-    // one all-reduce of one double, apart from the 2Ψ / 3Ψ.
+    // Sharded gradients (stages 1-3) also need the squared gradient norm and the overflow
+    // flag summed over DP: one all-reduce of two doubles, apart from the 2Ψ / 3Ψ.
     const int64_t norm_calls = stage >= 1 ? 1 : 0;
-    const int64_t moved = 2 * (cs[CommOp::kAllReduce].bytes - 8 * norm_calls) / elt +
+    const int64_t moved = 2 * (cs[CommOp::kAllReduce].bytes - 16 * norm_calls) / elt +
                           cs[CommOp::kReduceScatter].bytes / elt + d * cs[CommOp::kAllGather].bytes / elt;
     CHECK(moved == (stage == 3 ? 3 * psi : 2 * psi));
     CHECK(cs[CommOp::kAllReduce].calls ==
@@ -370,16 +370,16 @@ TEST_CASE("Bad optimizer input fails on every rank with a clear message", "[mp][
   auto st = mp::state(1, 1, "optim_errors");
   const std::string dp = st->group_name(GroupKind::kData);
   auto model = GPTModel(GPTModelOptions(c));
-  auto units = megatorch::optim::gpt_model_parameters({model}).units;
+  auto units = megatorch::train::gpt_model_parameters({model}).units;
   CHECK_THROWS_WITH(DistributedOptimizer(units, dp, DistributedOptimizerOptions().zero_stage(4)),
                     Catch::Contains("expected zero_stage in 0..3, got 4"));
   auto half = GPTModel(GPTModelOptions(small_config().params_dtype(torch::kHalf)));
-  CHECK_THROWS_WITH(DistributedOptimizer(megatorch::optim::gpt_model_parameters({half}).units, dp,
+  CHECK_THROWS_WITH(DistributedOptimizer(megatorch::train::gpt_model_parameters({half}).units, dp,
                                          DistributedOptimizerOptions()),
                     Catch::Contains("fp16 parameters need a loss scaler"));
   // Rank 0 builds one layer more than the others.
   auto odd = GPTModel(GPTModelOptions(small_config().num_layers(mp::rank() == 0 ? 3 : 2)));
-  CHECK_THROWS_WITH(DistributedOptimizer(megatorch::optim::gpt_model_parameters({odd}).units, dp,
+  CHECK_THROWS_WITH(DistributedOptimizer(megatorch::train::gpt_model_parameters({odd}).units, dp,
                                          DistributedOptimizerOptions().zero_stage(1)),
                     Catch::Contains("expected the same parameters on every rank"));
 }
@@ -432,4 +432,22 @@ TEST_CASE("bf16 parameters with fp32 master weights track the fp32 loss curve", 
     // end where the loss is small).
     CHECK(worst < 5e-2);
   }
+}
+
+TEST_CASE("An optimizer destroyed before backward is reported, not dereferenced; the split parts agree", "[mp][optim]") {
+  const auto c = small_config();
+  const int64_t b = 2 * mp::world_size();
+  auto s = make(c, 1, 3, "optim_lifetime");
+  // The optimizer is the update on top of its buffer and sharding, which see the same layout.
+  CHECK(s.opt->buffer().num_units() == s.opt->num_units());
+  CHECK(s.opt->sharding().num_units() == s.opt->num_units());
+  CHECK(s.opt->buffer().buckets().size() == s.opt->layout().buckets.size());
+  const auto data = global_batch(c, b, 0).narrow(0, s.st->dp_rank() * 2, 2);
+  auto loss = s.model->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length()));
+  s.opt.reset();  // the graph still holds the autograd nodes that would gather units
+  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("was destroyed before the backward reached it"));
+  // The model keeps its unit hooks; running it now fails by name as well.
+  torch::NoGradGuard no_grad;
+  CHECK_THROWS_WITH(s.model->forward(data.narrow(1, 0, c.seq_length())),
+                    Catch::Contains("after the DistributedOptimizer that shards its parameters was destroyed"));
 }

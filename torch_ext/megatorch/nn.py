@@ -207,31 +207,23 @@ class FullyShard(nn.Module):
     def _attach(self, opt) -> None:
         self._opt = opt
 
+    # The unit schedule itself (what to gather, prefetch and free, and when) is the C++
+    # optimizer's, the same one GPTModel runs: these only report where a unit starts and ends.
     def _before(self, unit: int) -> None:
-        if self._opt is None:
-            return
-        self._opt.gather_unit(unit)
-        if unit + 1 < len(self._units):
-            self._opt.prefetch_unit(unit + 1)
+        if self._opt is not None:
+            self._opt.before_unit_forward(unit)
 
     def _after(self, unit: int, out):
         if self._opt is None:
             return out
+        if isinstance(out, torch.Tensor):
+            return self._opt.after_unit_forward(unit, out)
+        if type(out) in (tuple, list):
+            # Every tensor output gathers the unit before its backward (idempotent).
+            wrapped = [self._opt.after_unit_forward(unit, t) if isinstance(t, torch.Tensor) else t for t in out]
+            self._opt.release_unit(unit)  # also when no output is a tensor
+            return type(out)(wrapped)
         self._opt.release_unit(unit)
-        if not torch.is_grad_enabled():
-            return out
-        opt, n = self._opt, len(self._units)
-
-        def gather_for_backward(grad, unit=unit):
-            opt.gather_unit(unit)
-            prev = n - 1 if unit == 0 else unit - 1
-            if prev >= 1:
-                opt.prefetch_unit(prev)
-            return grad
-
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(gather_for_backward)
         return out
 
     def forward(self, *args, **kwargs):

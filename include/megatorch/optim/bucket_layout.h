@@ -6,7 +6,9 @@
 // [r·n/d, (r+1)·n/d) of every bucket (its ZeRO shard).
 #include <ATen/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace megatorch::optim {
@@ -34,6 +36,14 @@ struct BucketLayout {
   std::vector<std::pair<at::ScalarType, int64_t>> buffers;
   int64_t buffer_numel(at::ScalarType dtype) const;
 };
+
+inline bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Overlap of [a, a + n) and [b, b + m), as (begin, length); length 0 when disjoint.
+inline std::pair<int64_t, int64_t> range_overlap(int64_t a, int64_t n, int64_t b, int64_t m) {
+  const int64_t lo = std::max(a, b), hi = std::min(a + n, b + m);
+  return {lo, std::max<int64_t>(0, hi - lo)};
+}
 
 // Megatron-LM's default bucket size: max(40M, 1M·dp) elements.
 int64_t default_bucket_size(int64_t dp);

@@ -1,25 +1,22 @@
 #pragma once
-// DistributedOptimizer: data-parallel gradient reduction and the ZeRO-sharded optimizer.
+// DistributedOptimizer: the ZeRO-sharded optimizer update on top of the data-parallel
+// gradient buffers (param_and_grad_buffer.h) and the parameter sharding (param_sharding.h).
 //
 //   stage 0  every DP rank holds everything; gradients are all-reduced.
 //   stage 1  optimizer states (and fp32 master weights) are sharded: DP rank r owns the
-//            contiguous range r of every bucket; gradients are reduce-scattered into the
-//            full gradient buffer (only the owned range is used) and the updated
-//            parameters are all-gathered after the step: 2Ψ per step, as plain DP.
-//   stage 2  + a rank keeps only its gradient shard (full gradients live in per-bucket
-//            staging buffers from the first backward until the bucket's reduce-scatter).
+//            contiguous range r of every bucket; gradients are reduce-scattered and the
+//            updated parameters all-gathered after the step: 2Ψ per step, as plain DP.
+//   stage 2  + a rank keeps only its gradient shard between steps.
 //   stage 3  + parameters are sharded: a unit (a transformer layer) is all-gathered right
 //            before its forward and again before its backward and freed after each (FSDP):
 //            3Ψ per step.
 //
-// Gradients: every parameter's .grad is a view into a flat per-dtype buffer, so autograd
-// accumulates into it in place (micro-batches add up with no communication). 16-bit
-// parameters get fp32 gradients by default (Megatron's main_grad): .grad is then fp32.
-// When the last micro-batch's backward has produced all of a bucket's gradients, its
-// collective starts asynchronously (set_grad_sync(true), the default; turn it off for
-// all but the last micro-batch); step() waits for all of them. Averaging over DP is a
-// scale by 1/d followed by a sum: the same on every backend (Gloo has no AVG), exact
-// for power-of-two d.
+// This class owns what the update needs: the fp32 master copy of this rank's range of every
+// bucket, AdamW's moments (or SGD's momentum), the step count, gradient clipping and the
+// loss scaler's overflow check. step() waits for the buffer's reductions, checks overflow
+// and computes the global gradient norm with one reduction and one host synchronisation,
+// updates its ranges with one multi-tensor call per (weight decay, 16-bit copy) class over
+// views made once, then hands the parameters to ParamSharding to make them whole again.
 #include <ATen/Tensor.h>
 #include <torch/arg.h>
 
@@ -34,6 +31,8 @@
 #include "megatorch/models/unit_hooks.h"
 #include "megatorch/optim/bucket_layout.h"
 #include "megatorch/optim/loss_scaler.h"
+#include "megatorch/optim/param_and_grad_buffer.h"
+#include "megatorch/optim/param_sharding.h"
 
 namespace megatorch::optim {
 
@@ -46,7 +45,8 @@ struct DistributedOptimizerOptions {
   TORCH_ARG(double, beta1) = 0.9;  // AdamW
   TORCH_ARG(double, beta2) = 0.999;
   TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0.0;
+  // torch.optim.AdamW's and Megatron's default, as in the Python wrapper.
+  TORCH_ARG(double, weight_decay) = 0.01;
   TORCH_ARG(double, momentum) = 0.9;  // SGD
   TORCH_ARG(int64_t, bucket_size) = 0;  // elements per bucket; 0: Megatron's max(40M, 1M·dp)
   TORCH_ARG(bool, grad_in_fp32) = true;  // fp32 gradients for 16-bit parameters
@@ -67,24 +67,6 @@ struct DistributedOptimizerOptions {
   TORCH_ARG(bool, broadcast_parameters) = true;
 };
 
-// How each parameter enters the global gradient norm and the weight decay.
-struct ParamInfo {
-  bool counted_in_norm = true;  // false for copies held elsewhere too (TP-replicated on tp rank > 0, a tied copy)
-  bool weight_decay = true;
-  // Non-empty: this rank's gradient is a partial sum over that group (a norm weight or
-  // bias under sequence parallelism, over TP). The optimizer adds the group's parts after
-  // its own DP reduction, on the range it owns (sums commute), so the DP reduction can
-  // overlap backward. Every rank of the group must hold the same parameters in the same
-  // order, and the same DP rank: the TP group of a model replica.
-  std::string grad_sum_group;
-  // With grad_sum_group: the two ranks of the group that hold copies of the parameter (the
-  // tied embedding: first and last pipeline stage), which exchange their parts; empty:
-  // every rank of the group (an all-reduce).
-  std::vector<int64_t> grad_sum_ranks;
-  // A bucket of its own, so every copy is sharded alike (required with grad_sum_ranks).
-  bool own_bucket = false;
-};
-
 class DistributedOptimizer {
  public:
   // `units` lists the parameters unit by unit (stage 3 gathers and frees a unit at once;
@@ -98,7 +80,7 @@ class DistributedOptimizer {
 
   // Whether the next backward's completed buckets start their collectives (false for all
   // but the last micro-batch of a step).
-  void set_grad_sync(bool enabled) { grad_sync_ = enabled; }
+  void set_grad_sync(bool enabled) { buffer_->set_grad_sync(enabled); }
   // Sets every gradient to zero (stages 0-1) or drops the staging buffers (stages 2-3).
   void zero_grad();
   // Waits for (or starts) every bucket's reduction, checks for overflow, clips, updates
@@ -140,63 +122,49 @@ class DistributedOptimizer {
   // with every unit gathered): the owned shard and the fp32 masters take their values.
   void copy_params_to_master();
 
-  // Stages 1-2 with overlap_param_gather: waits for the all-gathers of the buckets holding
-  // `unit`'s parameters (every bucket: unit -1) that step() launched. A no-op otherwise.
-  void finish_param_gather(int64_t unit = -1);
-  // Bucket all-gathers launched by step() and not yet waited for.
-  int64_t pending_param_gathers() const;
+  // Parameter gathering (param_sharding.h): ZeRO-3's units, ZeRO-1/2's deferred gathers.
+  void finish_param_gather(int64_t unit = -1) { sharding_->finish_param_gather(unit); }
+  int64_t pending_param_gathers() const { return sharding_->pending_param_gathers(); }
+  void gather_unit(int64_t unit) { sharding_->gather_unit(unit); }
+  void release_unit(int64_t unit) { sharding_->release_unit(unit); }
+  void prefetch_unit(int64_t unit) { sharding_->prefetch_unit(unit); }
+  // Hooks for models::GPTModelImpl::set_unit_hooks for the units `first`..`last` of one
+  // model chunk (its root unit, then its layers); nullptr when the stage needs none.
+  std::shared_ptr<models::UnitHooks> unit_hooks(int64_t first, int64_t last) { return sharding_->unit_hooks(first, last); }
 
-  // ZeRO-3: gather / free one unit's full parameters (stages 1-2: finish_param_gather).
-  void gather_unit(int64_t unit);
-  void release_unit(int64_t unit);
-  // Starts the unit's all-gather without waiting (gather_unit then waits for it).
-  void prefetch_unit(int64_t unit);
-  // Hooks for models::GPTModelImpl::set_unit_hooks (nullptr when the stage needs none).
-  // ZeRO-3: gather before each unit's forward and backward, free after each (the unit
-  // indices are those of `units`). Stages 1-2 with overlap_param_gather: wait for the
-  // unit's parameter all-gathers before its forward.
-  // `first`..`last`: the units of one model chunk (its root unit, then its layers), so
-  // prefetching stays inside the chunk that runs next.
-  std::shared_ptr<models::UnitHooks> unit_hooks(int64_t first, int64_t last);
-
-  const BucketLayout& layout() const { return layout_; }
-  const std::vector<at::Tensor>& parameters() const { return params_; }
+  const BucketLayout& layout() const { return buffer_->layout(); }
+  const std::vector<at::Tensor>& parameters() const { return buffer_->parameters(); }
   const DistributedOptimizerOptions& options() const { return options_; }
-  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
-  const comm::Group& dp_group() const { return dp_; }
-
-  struct State;  // buffers and in-flight work, defined in the source
+  int64_t num_units() const { return buffer_->num_units(); }
+  const comm::Group& dp_group() const { return buffer_->dp_group(); }
+  ParamAndGradBuffer& buffer() { return *buffer_; }
+  ParamSharding& sharding() { return *sharding_; }
 
  private:
-  void check_same_parameters_across_ranks();
-  void build_buffers();
-  void register_hooks();
-  // fn(parameter index, offset in the bucket's owned shard, offset in the parameter,
-  // length) for every parameter slice of bucket b inside this rank's owned range.
-  using OwnedSliceFn = std::function<void(int64_t, int64_t, int64_t, int64_t)>;
-  void for_each_owned_slice(int64_t b, const OwnedSliceFn& fn) const;
-  std::pair<int64_t, int64_t> owned_range(int64_t bucket) const;
-  void ensure_grad_staging(int64_t bucket);
-  void wait_bucket(int64_t bucket);
-  void on_grad_ready(int64_t param);
-  void start_bucket(int64_t bucket);
-  void finish_grad_sync();
-  void sum_partial_grads();
-  void drain_in_flight();
-  void launch_param_gathers();
-  bool found_overflow();
-  double global_grad_norm();
-  void update_shards(double grad_scale);
+  // The update's state for one bucket: this rank's range of it, in fp32.
+  struct BucketState {
+    at::Tensor master;               // aliases the parameter range for fp32 parameters
+    at::Tensor exp_avg, exp_avg_sq;  // AdamW; SGD keeps its momentum in exp_avg
+    at::Tensor grad32;               // 16-bit gradients upcast here (undefined for fp32 ones)
+  };
+  // The update's operands per (weight decay, writes a 16-bit model copy): views into the
+  // buckets, made once as the layout never changes.
+  struct UpdateLists {
+    bool weight_decay = false, model_copy = false;
+    std::vector<at::Tensor> master, grad, m, v, model;
+  };
 
-  std::vector<std::vector<at::Tensor>> units_;
-  std::vector<at::Tensor> params_;
-  std::vector<int64_t> unit_of_param_;
-  std::vector<ParamInfo> info_;
-  comm::Group dp_;
+  void build_state();
+  // Non-finite gradients anywhere (any rank) and the global squared norm: one reduction.
+  std::pair<bool, double> overflow_and_norm();
+  void update(double grad_scale);
+
   DistributedOptimizerOptions options_;
-  BucketLayout layout_;
-  std::unique_ptr<State> state_;
-  bool grad_sync_ = true;
+  std::shared_ptr<ParamAndGradBuffer> buffer_;
+  std::shared_ptr<ParamSharding> sharding_;
+  std::vector<BucketState> state_;
+  std::vector<UpdateLists> update_lists_;
+  std::vector<comm::Group> reduction_groups_;  // model parallel, + DP once gradients are sharded
   int64_t step_ = 0;
   double grad_norm_ = 0.0;
   bool skipped_ = false;
