@@ -17,7 +17,7 @@
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/data/token_stats.h"
-#include "megatorch/optim/model_parameters.h"
+#include "megatorch/train/model_parameters.h"
 #include "megatorch/pipeline/timeline_svg.h"
 #include "megatorch/tp/rng_tracker.h"
 #include "megatorch/train/device_memory.h"
@@ -103,10 +103,10 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
                                                              .growth_interval(args_.loss_scale_window)
                                                              .hysteresis(args_.hysteresis));
   }
-  const auto params = optim::pipeline_stage_parameters(stage_);
+  const auto params = pipeline_stage_parameters(stage_);
   // The tied embedding's two copies on one rank (interleaved with one pipeline rank) are
   // summed on .grad after the schedule, so there the reduction must wait for them.
-  const bool tied_on_grad = !args_.untie_embeddings_and_output_weights && !optim::optimizer_sums_tied_embedding(stage_) &&
+  const bool tied_on_grad = !args_.untie_embeddings_and_output_weights && !optimizer_sums_tied_embedding(stage_) &&
                             args_.virtual_chunks > 1;
   std::vector<std::string> model_groups{state_->group_name(GroupKind::kTensor)};
   if (args_.pipeline_model_parallel_size > 1) model_groups.push_back(state_->group_name(GroupKind::kPipeline));
@@ -129,7 +129,7 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
           // The forward's unit hooks (attach_unit_hooks below) wait for each unit's gathers.
           .overlap_param_gather(true),
       params.info);
-  optim::attach_unit_hooks(chunks(), *optimizer_);
+  attach_unit_hooks(chunks(), *optimizer_);
   // The whole model's size, each parameter once (PaLM's FLOPs count uses it).
   at::Tensor count = at::zeros({1}, at::kDouble);
   for (size_t i = 0; i < params.info.size(); ++i) {
@@ -233,7 +233,7 @@ IterationStats Trainer::train_step() {
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
           .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
   // (SP's partial sums and a tied embedding across stages: the optimizer adds them.)
-  if (!optim::optimizer_sums_tied_embedding(stage_)) stage_->allreduce_tied_embedding_grads();
+  if (!optimizer_sums_tied_embedding(stage_)) stage_->allreduce_tied_embedding_grads();
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   s.skipped = !optimizer_->step();
   // A skipped step computed no norm worth reporting (Megatron logs none).

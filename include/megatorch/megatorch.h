@@ -39,7 +39,7 @@
 #include "megatorch/optim/bucket_layout.h"
 #include "megatorch/optim/distributed_optimizer.h"
 #include "megatorch/optim/loss_scaler.h"
-#include "megatorch/optim/model_parameters.h"
+#include "megatorch/train/model_parameters.h"
 #include "megatorch/data/blended_dataset.h"
 #include "megatorch/data/gpt_dataset.h"
 #include "megatorch/data/gpt_datasets.h"
