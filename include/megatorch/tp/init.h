@@ -6,11 +6,25 @@
 // tensor is ever allocated, for models too large for that, at the price of numbers
 // that depend on the TP size.
 #include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
 
 #include <string>
 #include <vector>
 
 namespace megatorch::tp {
+
+// How a layer's parameters are created: `name` prefixes the parameter
+// names that seed the generator, so two layers never draw the same numbers.
+struct ParamInitOptions {
+  TORCH_ARG(std::string, name) = "param";
+  TORCH_ARG(int64_t, seed) = 1234;
+  TORCH_ARG(double, std) = 0.02;
+  TORCH_ARG(bool, shard_local) = false;
+  TORCH_ARG(c10::ScalarType, dtype) = c10::kFloat;
+  TORCH_ARG(c10::Device, device) = c10::kCPU;
+};
 
 enum class InitMethod { kNormal, kZeros, kOnes };
 

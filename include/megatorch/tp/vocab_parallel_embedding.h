@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "megatorch/tp/init.h"
 #include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {

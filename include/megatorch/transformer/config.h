@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "megatorch/tp/tp_group.h"
+#include "megatorch/tp/init.h"
 
 namespace megatorch::transformer {
 
