@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
-#include "device.h"
+#include "dispatch.h"
 
 namespace megatorch::kernels {
 namespace {

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "device.h"
+#include "dispatch.h"
 
 namespace megatorch::kernels {
 namespace {

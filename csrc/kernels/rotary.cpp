@@ -3,7 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/autograd.h>
 
-#include "device.h"
+#include "dispatch.h"
 
 namespace megatorch::kernels {
 namespace {

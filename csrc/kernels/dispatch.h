@@ -1,6 +1,7 @@
 #pragma once
-// Shared by the torch-facing kernel files: the CUDA kernels' dtype tag, the current
-// stream, and the error for a CUDA tensor reaching a build without CUDA.
+// Dispatch helpers shared by the torch-facing kernel files: the dtype switch of the CPU
+// kernels, the CUDA kernels' dtype tag and current stream, typed operator handles, the
+// error for a CUDA tensor reaching a build without CUDA, and fp32 row views.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
