@@ -41,8 +41,9 @@ __global__ void bias_dropout_add_kernel(BiasDropoutAddParams p) {
 }  // namespace
 
 void bias_dropout_add_forward(const BiasDropoutAddParams& p, void* stream) {
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(ceil_div(p.rows * p.cols, 4), 256), 65535));
-  MEGATORCH_CUDA_DISPATCH(p.dtype, T, bias_dropout_add_kernel<T><<<blocks, 256, 0, as_stream(stream)>>>(p));
+  const int blocks = elementwise_blocks(ceil_div(p.rows * p.cols, 4));  // four elements a thread
+  MEGATORCH_CUDA_DISPATCH(p.dtype, T,
+                          bias_dropout_add_kernel<T><<<blocks, kElementwiseThreads, 0, as_stream(stream)>>>(p));
   check_launch("bias_dropout_add");
 }
 

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -74,6 +75,17 @@ __device__ __forceinline__ float block_reduce(float x, float* shared) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Element-wise kernels run grid-stride loops over `n` work items: blocks of
+// kElementwiseThreads, no more blocks than a grid's x dimension allows everywhere.
+constexpr int kElementwiseThreads = 256;
+inline int elementwise_blocks(int64_t n) {
+  return static_cast<int>(std::min<int64_t>(ceil_div(n, kElementwiseThreads), 65535));
+}
+
+// Row-wise kernels (norms, softmax, cross entropy) run one block of kRowThreads per row.
+constexpr int kRowThreads = 256;
+inline unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(rows); }
 
 // Vector width in elements for 16-byte loads of T, when pointers and sizes allow it.
 template <typename T>

@@ -10,7 +10,7 @@ namespace megatorch::kernels::cuda {
 
 enum class DType : int { kFloat, kHalf, kBFloat16 };
 
-// ---- element-wise ----
+// ---- bias_gelu.cu ----
 struct BiasGeluParams {
   const void* input;  // [rows, cols]
   const void* bias;   // [cols]
@@ -22,6 +22,7 @@ struct BiasGeluParams {
 void bias_gelu_forward(const BiasGeluParams& p, void* stream);
 void bias_gelu_backward(const BiasGeluParams& p, void* stream);
 
+// ---- bias_dropout_add.cu ----
 struct BiasDropoutAddParams {
   const void* input;     // [rows, cols]
   const void* bias;      // [cols] or null
@@ -35,6 +36,7 @@ struct BiasDropoutAddParams {
 };
 void bias_dropout_add_forward(const BiasDropoutAddParams& p, void* stream);
 
+// ---- swiglu.cu ----
 struct SwigluParams {
   const void* input;  // [rows, 2f]
   const void* grad;   // backward only: [rows, f]
@@ -45,6 +47,7 @@ struct SwigluParams {
 void swiglu_forward(const SwigluParams& p, void* stream);
 void swiglu_backward(const SwigluParams& p, void* stream);
 
+// ---- rotary.cu ----
 struct RotaryParams {
   const void* input;  // [s, b·heads, d] (or the incoming gradient in backward)
   const float* cos;   // [s, r] fp32
@@ -56,7 +59,7 @@ struct RotaryParams {
 };
 void rotary(const RotaryParams& p, void* stream);
 
-// ---- row-wise ----
+// ---- norms.cu ----
 struct NormParams {
   const void* input;   // [rows, cols]
   const float* weight;  // [cols], fp32 whatever the input dtype
@@ -75,6 +78,7 @@ struct NormParams {
 void norm_forward(const NormParams& p, void* stream);
 void norm_backward(const NormParams& p, void* stream);
 
+// ---- softmax.cu ----
 struct SoftmaxParams {
   const void* input;  // [batch, heads, sq, sk] (causal: [batch·heads, sq, sk], heads = 1)
   const bool* mask;   // null, or indexed with the strides below (0 where broadcast)
@@ -89,6 +93,7 @@ struct SoftmaxParams {
 void softmax_forward(const SoftmaxParams& p, void* stream);
 void softmax_backward(const SoftmaxParams& p, void* stream);  // input = the forward's output
 
+// ---- cross_entropy_local.cu ----
 struct CrossEntropyLocalParams {
   const void* logits;     // [rows, cols]
   const int64_t* target;  // [rows], global ids
@@ -101,7 +106,7 @@ struct CrossEntropyLocalParams {
 };
 void cross_entropy_local(const CrossEntropyLocalParams& p, void* stream);
 
-// ---- multi-tensor AdamW ----
+// ---- fused_adamw.cu (multi-tensor AdamW) ----
 constexpr int kAdamWMaxTensors = 24;  // per launch; keeps the argument block < 4 KiB
 struct AdamWParams {
   float* param[kAdamWMaxTensors];
