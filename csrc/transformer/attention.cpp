@@ -89,7 +89,7 @@ at::Tensor ParallelAttentionImpl::context(const at::Tensor& x, const at::Tensor&
   }
   if (c.recompute() == Recompute::kSelective && is_training()) {
     // Selective recomputation: keep q, k, v; replay softmax, dropout and the products.
-    return checkpoint([this](const torch::autograd::variable_list& in) {
+    return recompute([this](const torch::autograd::variable_list& in) {
              return torch::autograd::variable_list{core_attention(in[0], in[1], in[2])};
            },
            {q, k, v}, options.rng().get())[0];

@@ -20,7 +20,7 @@ struct Replay : torch::CustomClassHolder {
   tp::RngTracker::Snapshot tracker_state;  // when there is one
 };
 
-class Checkpoint : public torch::autograd::Function<Checkpoint> {
+class Recomputation : public torch::autograd::Function<Recomputation> {
  public:
   // Inputs as a TensorList: the form autograd::Function tracks as differentiable.
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::IValue replay_capsule) {
@@ -74,8 +74,8 @@ class Checkpoint : public torch::autograd::Function<Checkpoint> {
 
 }  // namespace
 
-variable_list checkpoint(const RecomputeFn& fn, const variable_list& inputs, tp::RngTracker* tracker) {
-  MEGATORCH_CHECK(static_cast<bool>(fn), "checkpoint: expected a function to recompute, got an empty one");
+variable_list recompute(const RecomputeFn& fn, const variable_list& inputs, tp::RngTracker* tracker) {
+  MEGATORCH_CHECK(static_cast<bool>(fn), "recompute: expected a function to recompute, got an empty one");
   auto replay = c10::make_intrusive<Replay>();
   replay->fn = fn;
   replay->tracker = tracker;
@@ -86,7 +86,7 @@ variable_list checkpoint(const RecomputeFn& fn, const variable_list& inputs, tp:
     }
   }
   if (tracker) replay->device = tracker->device();
-  return Checkpoint::apply(at::TensorList(inputs), c10::IValue::make_capsule(replay));
+  return Recomputation::apply(at::TensorList(inputs), c10::IValue::make_capsule(replay));
 }
 
 }  // namespace megatorch::transformer

@@ -62,7 +62,7 @@ at::Tensor TransformerLayerImpl::layer(const at::Tensor& x, const at::Tensor& ro
 at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
   if (options.config().recompute() == Recompute::kFull && is_training()) {
     // Full recomputation keeps only the layer input (2·s·b·h bytes in 16-bit).
-    return checkpoint([this, rope_freqs](const torch::autograd::variable_list& in) {
+    return recompute([this, rope_freqs](const torch::autograd::variable_list& in) {
              return torch::autograd::variable_list{layer(in[0], rope_freqs)};
            },
            {x}, options.rng().get())[0];

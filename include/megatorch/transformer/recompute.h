@@ -1,5 +1,5 @@
 #pragma once
-// Activation recomputation (Megatron's checkpoint): run `fn` without keeping its
+// Activation recomputation (Megatron's activation checkpointing): run `fn` without keeping its
 // activations; in backward, restore the RNG state it started from, run it again with
 // autograd on, and backpropagate through that replay (parameter grads accumulate as
 // usual). Only the inputs are kept.
@@ -16,7 +16,7 @@ using RecomputeFn = std::function<torch::autograd::variable_list(const torch::au
 
 // `tracker` (may be null) has its streams restored as well as the default generator,
 // so dropout inside TP regions replays the same masks.
-torch::autograd::variable_list checkpoint(const RecomputeFn& fn, const torch::autograd::variable_list& inputs,
-                                          tp::RngTracker* tracker = nullptr);
+torch::autograd::variable_list recompute(const RecomputeFn& fn, const torch::autograd::variable_list& inputs,
+                                         tp::RngTracker* tracker = nullptr);
 
 }  // namespace megatorch::transformer
