@@ -52,13 +52,7 @@ void GPTModelImpl::reset() {
         transformer::TransformerLayerOptions(c).group(options.group()).layer_number(i).rng(options.rng())));
   }
   if (options.post_process()) {
-    final_norm = register_module("final_norm", transformer::Norm(transformer::NormOptions(c.hidden_size())
-                                                                     .fused(c.fused_kernels())
-                                                                     .kind(c.normalization())
-                                                                     .eps(c.norm_epsilon())
-                                                                     .bias(c.add_bias_linear())
-                                                                     .dtype(c.params_dtype())
-                                                                     .device(c.device())));
+    final_norm = register_module("final_norm", transformer::make_norm(c));
     if (!c.tie_embeddings() || !options.pre_process()) {
       // Untied: its own weight. Tied on a stage without the embedding: a copy drawn
       // from the embedding's name (same numbers), kept in sync by the pipeline.

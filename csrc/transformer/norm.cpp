@@ -46,4 +46,14 @@ at::Tensor NormImpl::forward(const at::Tensor& x) {
   return at::layer_norm(x, {options.hidden()}, weight, bias, options.eps());
 }
 
+Norm make_norm(const TransformerConfig& c) {
+  return Norm(NormOptions(c.hidden_size())
+                  .fused(c.fused_kernels())
+                  .kind(c.normalization())
+                  .eps(c.norm_epsilon())
+                  .bias(c.add_bias_linear())
+                  .dtype(c.params_dtype())
+                  .device(c.device()));
+}
+
 }  // namespace megatorch::transformer

@@ -21,21 +21,12 @@ TransformerLayerImpl::TransformerLayerImpl(TransformerLayerOptions options_) : o
 void TransformerLayerImpl::reset() {
   const auto& c = options.config();
   const std::string name = "layers." + std::to_string(options.layer_number());
-  auto norm = [&c] {
-    return Norm(NormOptions(c.hidden_size())
-                    .fused(c.fused_kernels())
-                    .kind(c.normalization())
-                    .eps(c.norm_epsilon())
-                    .bias(c.add_bias_linear())
-                    .dtype(c.params_dtype())
-                    .device(c.device()));
-  };
-  input_norm = register_module("input_norm", norm());
+  input_norm = register_module("input_norm", make_norm(c));
   attention = register_module("attention", ParallelAttention(ParallelAttentionOptions(c)
                                                                  .group(options.group())
                                                                  .name(name + ".attention")
                                                                  .rng(options.rng())));
-  post_attention_norm = register_module("post_attention_norm", norm());
+  post_attention_norm = register_module("post_attention_norm", make_norm(c));
   mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(c).group(options.group()).name(name + ".mlp")));
 }
 

@@ -40,4 +40,8 @@ class NormImpl : public torch::nn::Cloneable<NormImpl> {
 };
 TORCH_MODULE(Norm);
 
+// The norm `config` describes (kind, epsilon, LayerNorm's beta with the linear biases,
+// dtype, device, fused kernels): each layer's two norms and the final one.
+Norm make_norm(const TransformerConfig& config);
+
 }  // namespace megatorch::transformer
