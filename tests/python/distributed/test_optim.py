@@ -159,3 +159,47 @@ def test_model_parallel_groups_and_counted_in_norm():
         assert opt.grad_norm() == pytest.approx(want * factor, rel=1e-5)
     with pytest.raises(ValueError, match="one counted_in_norm flag per parameter"):
         DistributedOptimizer(make_model().parameters(), alone, counted_in_norm=[True])
+
+
+class TwoHeads(nn.Module):
+    """A unit returning a tuple: both outputs must gather the unit before their backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.a(x), self.b(x), "not a tensor"
+
+
+def test_fully_shard_tuple_outputs_run_the_cpp_unit_schedule():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+
+    def build():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(4, 6), TwoHeads())
+
+    def loss_of(model, x):
+        a, b, tag = model(x)
+        assert tag == "not a tensor"
+        return (a * b).sum()
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    model = FullyShard(build(), group)
+    opt = DistributedOptimizer(model.parameters(), group, zero_stage=3, lr=LR, weight_decay=WD, bucket_size=30)
+    for step in range(4):
+        x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(300 + step))
+        ref_opt.zero_grad()
+        (loss_of(ref, x) / world).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        loss_of(model, x[2 * rank:2 * rank + 2]).backward()
+        assert opt.step()
+    # Between uses each unit is back to its shard: nothing stays gathered.
+    assert all(p.untyped_storage().nbytes() == 0 for u in model._units[1:] for p in u)
+    for u in range(len(model._units)):
+        opt._opt.gather_unit(u)
+    for (name, got), want in zip(model.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
