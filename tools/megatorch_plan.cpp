@@ -212,7 +212,9 @@ int main(int argc, char** argv) {
     if (a.seq) m.seq_length = a.seq;
     m.make_vocab_size_divisible_by = a.divisible_by;
     if (a.model.empty()) {
-      m.swiglu = a.swiglu, m.rms_norm = a.normalization == "RMSNorm", m.learned_positions = a.positions != "rope";
+      namespace tf = megatorch::transformer;
+      m.swiglu = a.swiglu, m.rms_norm = tf::parse_normalization(a.normalization) == tf::Normalization::kRMSNorm;
+      m.learned_positions = tf::parse_positions(a.positions) == tf::Positions::kLearned;
       m.add_bias_linear = !a.no_bias, m.tie_embeddings = !a.untie;
     }
     r.cluster = cl;

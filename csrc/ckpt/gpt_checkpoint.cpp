@@ -133,13 +133,9 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
         .vocab_size(integer("vocab_size"))
         .add_bias_linear(j.at("add_bias_linear").get<bool>())
         .tie_embeddings(j.at("tie_embeddings").get<bool>());
-    const std::string norm = j.at("normalization"), act = j.at("activation"), pos = j.at("position_embedding_type");
-    MEGATORCH_CHECK(norm == "LayerNorm" || norm == "RMSNorm", "unknown normalization '", norm, "'");
-    MEGATORCH_CHECK(act == "gelu_tanh" || act == "swiglu", "unknown activation '", act, "'");
-    MEGATORCH_CHECK(pos == "learned_absolute" || pos == "rope", "unknown position_embedding_type '", pos, "'");
-    c.normalization(norm == "LayerNorm" ? Normalization::kLayerNorm : Normalization::kRMSNorm)
-        .activation(act == "gelu_tanh" ? Activation::kGeluTanh : Activation::kSwiGLU)
-        .position_embedding_type(pos == "rope" ? Positions::kRope : Positions::kLearned);
+    c.normalization(transformer::parse_normalization(j.at("normalization")))
+        .activation(transformer::parse_activation(j.at("activation")))
+        .position_embedding_type(transformer::parse_positions(j.at("position_embedding_type")));
     // 0 (RoPE: no parameter has the size) keeps the base's; a negative is left for validate() below.
     if (j.contains("max_position_embeddings") && integer("max_position_embeddings") != 0) {
       c.max_position_embeddings(integer("max_position_embeddings"));

@@ -14,6 +14,7 @@
 #include "megatorch/ckpt/gpt_checkpoint.h"
 #include "megatorch/ckpt/safetensors.h"
 #include "megatorch/io/atomic_file.h"
+#include "megatorch/util/enum_names.h"
 
 namespace megatorch::ckpt {
 
@@ -223,9 +224,8 @@ const char* to_string(HFArch a) {
 }
 
 HFArch parse_hf_arch(const std::string& s) {
-  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2})
-    if (s == to_string(a)) return a;
-  MEGATORCH_FAIL("expected a HuggingFace model_type 'gpt2', 'llama', 'mistral' or 'qwen2', got '", s, "'");
+  return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2},
+                          "a HuggingFace model_type");
 }
 
 bool hf_arch_holds(HFArch a, const TransformerConfig& c) {

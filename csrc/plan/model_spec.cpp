@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/util/enum_names.h"
 
 namespace megatorch::plan {
 
@@ -72,9 +73,8 @@ const char* to_string(Precision p) {
 }
 
 Precision parse_precision(const std::string& s) {
-  for (Precision p : {Precision::kBf16, Precision::kFp16, Precision::kFp32, Precision::kMixed})
-    if (s == to_string(p)) return p;
-  MEGATORCH_FAIL("unknown precision '", s, "'; expected bf16, fp16, fp32 or mixed (the ZeRO paper's 16 bytes)");
+  // mixed: the ZeRO paper's 16 bytes a parameter.
+  return util::parse_enum(s, {Precision::kBf16, Precision::kFp16, Precision::kFp32, Precision::kMixed}, "precision");
 }
 
 int64_t activation_dtype_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }

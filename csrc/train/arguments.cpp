@@ -372,16 +372,14 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .add_bias_linear(!a.disable_bias_linear)
       .add_qkv_bias(a.add_qkv_bias)
       .sliding_window(a.sliding_window)
-      .normalization(a.normalization == "RMSNorm" ? Normalization::kRMSNorm : Normalization::kLayerNorm)
+      .normalization(parse_normalization(a.normalization))
       .activation(a.swiglu ? Activation::kSwiGLU : Activation::kGeluTanh)
-      .position_embedding_type(a.position_embedding_type == "rope" ? Positions::kRope : Positions::kLearned)
+      .position_embedding_type(parse_positions(a.position_embedding_type))
       .tie_embeddings(!a.untie_embeddings_and_output_weights)
       .hidden_dropout(a.hidden_dropout)
       .attention_dropout(a.attention_dropout)
       .sequence_parallel(a.sequence_parallel)
-      .recompute(a.recompute_granularity == "full"        ? Recompute::kFull
-                 : a.recompute_granularity == "selective" ? Recompute::kSelective
-                                                          : Recompute::kNone)
+      .recompute(parse_recompute(a.recompute_granularity.empty() ? "none" : a.recompute_granularity))
       .params_dtype(a.bf16 ? c10::kBFloat16 : a.fp16 ? c10::kHalf : c10::kFloat)
       .seed(a.seed);
   return c;

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "megatorch/check.h"
+#include "megatorch/util/enum_names.h"
 
 namespace megatorch::transformer {
 
@@ -82,11 +83,17 @@ const char* to_string(Recompute r) {
   return "?";
 }
 
+Normalization parse_normalization(const std::string& s) {
+  return util::parse_enum(s, {Normalization::kLayerNorm, Normalization::kRMSNorm}, "normalization");
+}
+Activation parse_activation(const std::string& s) {
+  return util::parse_enum(s, {Activation::kGeluTanh, Activation::kSwiGLU}, "activation");
+}
+Positions parse_positions(const std::string& s) {
+  return util::parse_enum(s, {Positions::kLearned, Positions::kRope}, "position_embedding_type");
+}
 Recompute parse_recompute(const std::string& s) {
-  if (s == "none") return Recompute::kNone;
-  if (s == "selective") return Recompute::kSelective;
-  if (s == "full") return Recompute::kFull;
-  MEGATORCH_FAIL("expected recompute granularity 'none', 'selective' or 'full', got '", s, "'");
+  return util::parse_enum(s, {Recompute::kNone, Recompute::kSelective, Recompute::kFull}, "recompute granularity");
 }
 
 }  // namespace megatorch::transformer

@@ -78,6 +78,10 @@ const char* to_string(Normalization n);
 const char* to_string(Activation a);
 const char* to_string(Positions p);
 const char* to_string(Recompute r);
-Recompute parse_recompute(const std::string& s);  // "none" | "selective" | "full"
+// The inverses of to_string (Megatron's strings), failing with the valid names.
+Normalization parse_normalization(const std::string& s);  // "LayerNorm" | "RMSNorm"
+Activation parse_activation(const std::string& s);        // "gelu_tanh" | "swiglu"
+Positions parse_positions(const std::string& s);          // "learned_absolute" | "rope"
+Recompute parse_recompute(const std::string& s);          // "none" | "selective" | "full"
 
 }  // namespace megatorch::transformer
