@@ -61,8 +61,7 @@ void agree(Ranks& r, const std::optional<std::string>& error, const std::string&
     r.group->all_reduce(flag, comm::ReduceOp::kMax);
     failed = flag.item<int64_t>();
   }
-  // The captured message already starts with "megatorch: "; don't say it twice.
-  if (error) MEGATORCH_FAIL(error->rfind("megatorch: ", 0) == 0 ? error->substr(11) : *error);
+  if (error) MEGATORCH_FAIL(without_error_prefix(*error));
   MEGATORCH_CHECK(failed == 0, what, " failed on another rank (its error says why); nothing was changed here");
 }
 
@@ -220,10 +219,10 @@ SavedPiece read_piece(const MetaFile& m, const std::string& key, const std::vect
     m.fail(where + ".file", "'" + out.file + "' leaves the checkpoint directory; expected a file name inside it "
                             "such as rank_00000.safetensors");
   }
-  // The nested messages without their own "megatorch: " prefix.
-  auto bare = [](const std::string& msg) { return msg.rfind("megatorch: ", 0) == 0 ? msg.substr(11) : msg; };
-  if (auto err = capture([&] { out.dtype = scalar_type_from_safetensors(dtype); })) m.fail(where + ".dtype", bare(*err));
-  if (auto err = capture([&] { validate_layout(e); })) m.fail(where, bare(*err));
+  if (auto err = capture([&] { out.dtype = scalar_type_from_safetensors(dtype); })) {
+    m.fail(where + ".dtype", without_error_prefix(*err));
+  }
+  if (auto err = capture([&] { validate_layout(e); })) m.fail(where, without_error_prefix(*err));
   if (logical_shape(e) != shape) {
     m.fail(where, "the piece's full_shape " + c10::str(c10::IntArrayRef(e.spec.full_shape)) + " with valid_rows " +
                       std::to_string(e.valid_rows) + " describes another tensor than the shape " +

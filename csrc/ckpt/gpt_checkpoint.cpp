@@ -161,9 +161,8 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
   try {
     c.validate(1);
   } catch (const c10::Error& e) {
-    std::string why = e.what_without_backtrace();
-    if (why.rfind("megatorch: ", 0) == 0) why = why.substr(11);
-    MEGATORCH_FAIL("checkpoint model_config does not describe a valid model: ", why,
+    MEGATORCH_FAIL("checkpoint model_config does not describe a valid model: ",
+                   without_error_prefix(e.what_without_backtrace()),
                    "; the checkpoint's metadata.json was not written by megatorch or was edited");
   }
   return c;

@@ -272,9 +272,8 @@ void validate_imported(const TransformerConfig& c, const std::string& arch) {
   try {
     c.validate(1);
   } catch (const c10::Error& e) {
-    std::string why = e.what_without_backtrace();
-    if (why.rfind("megatorch: ", 0) == 0) why = why.substr(11);
-    MEGATORCH_FAIL(arch, " import: config.json does not describe a valid model: ", why);
+    MEGATORCH_FAIL(arch, " import: config.json does not describe a valid model: ",
+                   without_error_prefix(e.what_without_backtrace()));
   }
 }
 
