@@ -15,6 +15,7 @@
 #include <iterator>
 
 #include "megatorch/check.h"
+#include "megatorch/util/strings.h"
 
 namespace megatorch::ckpt::checkpoint_dir {
 
@@ -54,8 +55,9 @@ void remove_tree(const fs::path& path) {
 
 // "iter_0000100" -> 100; nullopt for any other name (iter_0000100.tmp, .old, ...).
 std::optional<int64_t> parse_iteration_dirname(const std::string& name) {
-  if (name.rfind("iter_", 0) != 0) return std::nullopt;
-  const std::string digits = name.substr(5);
+  const auto stripped = util::strip_prefix(name, "iter_");
+  if (!stripped) return std::nullopt;
+  const std::string digits(*stripped);
   if (digits.empty() || digits.size() > 18) return std::nullopt;
   if (!std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c) != 0; })) {
     return std::nullopt;
@@ -99,13 +101,12 @@ int64_t newest_complete_iteration(const fs::path& dir, int64_t except) {
 // when the new one never arrived, since `latest` may name it).
 void clear_failed_saves(const fs::path& root) {
   for (const auto& name : list_dir(root)) {
-    if (name.rfind("iter_", 0) != 0) continue;
+    if (!util::starts_with(name, "iter_")) continue;
     const fs::path path = root / name;
     if (name.find(".tmp") != std::string::npos) {
       remove_tree(path);
-    } else if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
-               parse_iteration_dirname(name.substr(0, name.size() - 4))) {
-      const fs::path published = root / name.substr(0, name.size() - 4);
+    } else if (path.extension() == ".old" && parse_iteration_dirname(path.stem().string())) {
+      const fs::path published = root / path.stem();
       if (!fs::exists(fs::symlink_status(published)) && complete_iteration(path)) {
         fs::rename(path, published);
       } else {

@@ -15,6 +15,7 @@
 #include "megatorch/ckpt/safetensors.h"
 #include "megatorch/io/atomic_file.h"
 #include "megatorch/util/enum_names.h"
+#include "megatorch/util/strings.h"
 
 namespace megatorch::ckpt {
 
@@ -26,6 +27,9 @@ using transformer::Positions;
 using transformer::TransformerConfig;
 
 namespace {
+
+// The model's keys in a checkpoint (the others are optimizer state): gpt_model_entries'.
+const std::string kModelPrefix = GPTEntriesOptions().prefix();
 
 json read_json(const fs::path& path) {
   std::ifstream in(path);
@@ -436,7 +440,7 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
     family = "GPT-2";
     std::map<std::string, std::string> original;
     for (const auto& [k, v] : hf_in) {
-      const std::string key = k.rfind("transformer.", 0) == 0 ? k.substr(12) : k;
+      const std::string key(util::strip_prefix(k, "transformer.").value_or(k));
       renamed[key] = v;
       original[key] = k;
     }
@@ -603,7 +607,7 @@ HFConversion import_hf(const std::string& hf_dir, const std::string& ckpt_dir, i
   std::vector<ShardedEntry> entries;
   for (const auto& [name, t] : tensors) {
     ShardedEntry e;
-    e.key = "model/" + name;
+    e.key = kModelPrefix + name;
     e.spec.full_shape = t.sizes().vec();
     e.tensor = t;
     entries.push_back(std::move(e));
@@ -626,7 +630,7 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
   const HFArch arch = hf_arch_of(c, recorded);  // refuse a model no architecture holds before reading tensors
   std::vector<ShardedEntry> entries;
   for (const auto& [key, t] : meta.at("tensors").items()) {
-    if (key.rfind("model/", 0) != 0) continue;  // optimizer state stays behind
+    if (!util::starts_with(key, kModelPrefix)) continue;  // optimizer state stays behind
     ShardedEntry e;
     e.key = key;
     e.spec.full_shape = t.at("shape").get<std::vector<int64_t>>();
@@ -636,7 +640,7 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
   }
   load_checkpoint(ckpt_dir, entries, LoadOptions().iteration(meta.at("iteration").get<int64_t>()));
   std::map<std::string, at::Tensor> tensors;
-  for (const auto& e : entries) tensors[e.key.substr(6)] = e.tensor;
+  for (const auto& e : entries) tensors[std::string(*util::strip_prefix(e.key, kModelPrefix))] = e.tensor;
   std::vector<std::pair<std::string, at::Tensor>> hf;
   for (auto& [k, v] : to_hf_tensors(tensors, c)) hf.emplace_back(k, v);
   fs::create_directories(hf_dir);

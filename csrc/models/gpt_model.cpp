@@ -9,6 +9,7 @@
 #include "megatorch/inference/kv_cache.h"
 #include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/init.h"
+#include "megatorch/util/strings.h"
 
 namespace megatorch::models {
 
@@ -160,8 +161,8 @@ std::vector<std::vector<at::Tensor>> GPTModelImpl::parameter_units() const {
   std::vector<std::vector<at::Tensor>> units(1 + layers->size());
   for (const auto& item : named_parameters()) {
     const std::string& name = item.key();
-    if (name.rfind("layers.", 0) == 0) {
-      const int64_t i = std::stoll(name.substr(7, name.find('.', 7) - 7));
+    if (const auto rest = util::strip_prefix(name, "layers.")) {  // "layers.<i>.<...>"
+      const int64_t i = std::stoll(std::string(rest->substr(0, rest->find('.'))));
       units[1 + i].push_back(item.value());
     } else {
       units[0].push_back(item.value());

@@ -15,6 +15,7 @@
 #include <fstream>
 
 #include "gpt_test_util.h"
+#include "megatorch/util/strings.h"
 #include "mp_util.h"
 
 namespace ckpt = megatorch::ckpt;
@@ -159,7 +160,7 @@ TEST_CASE("checkpoint saved at TP2 x PP loads at TP1, TP=world and as ZeRO range
       torch::NoGradGuard no_grad;
       auto params = m->named_parameters();
       for (size_t i = 0; i < es.size(); ++i) {  // gather the ranges back into whole parameters
-        const std::string name = es[i].key.substr(6);
+        const std::string name(*megatorch::util::strip_prefix(es[i].key, "model/"));
         auto& p = params[name];
         const int64_t n = p.numel(), longest = (n + world - 1) / world + 1;
         auto padded = torch::zeros({longest});
@@ -205,7 +206,7 @@ TEST_CASE("checkpoint saved as ZeRO ranges (model and optimizer state) loads at 
   std::vector<ckpt::ShardedEntry> optim;
   for (const auto& e : es) {
     ckpt::ShardedEntry o = e;
-    o.key = "optim/exp_avg/" + e.key.substr(6);
+    o.key = "optim/exp_avg/" + std::string(*megatorch::util::strip_prefix(e.key, "model/"));
     o.tensor = torch::zeros_like(e.tensor);
     optim.push_back(o);
   }
