@@ -4,19 +4,20 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "megatorch/check.h"
+#include "megatorch/util/fnv1a.h"
 
 namespace megatorch::tp {
 
 uint64_t name_seed(int64_t seed, const std::string& name, int64_t salt) {
-  uint64_t h = 1469598103934665603ULL;
-  auto mix = [&h](uint64_t byte) {
-    h ^= byte;
-    h *= 1099511628211ULL;
+  // Byte by byte (integers little-endian), so the seeds never depend on the platform.
+  util::Fnv1a h;
+  auto mix_int = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) h.mix((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
   };
-  for (int i = 0; i < 8; ++i) mix((static_cast<uint64_t>(seed) >> (8 * i)) & 0xff);
-  for (unsigned char c : name) mix(c);
-  for (int i = 0; i < 8; ++i) mix((static_cast<uint64_t>(salt) >> (8 * i)) & 0xff);
-  return h;
+  mix_int(seed);
+  h.mix_bytes(name);
+  mix_int(salt);
+  return h.value();
 }
 
 std::vector<int64_t> shard_shape(const ShardSpec& spec) {
