@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 #include <set>
 
 #include "megatorch/check.h"
@@ -35,6 +36,24 @@ double pairwise_sum(const double* a, int64_t n) {
   return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
 }
 
+// Megatron's greedy blending rule (its helpers.cpp): sample k comes from the candidate
+// dataset furthest behind its share, the lowest index on a tie.
+template <typename Candidates>
+int64_t furthest_behind(const Candidates& candidates, const std::vector<double>& weights,
+                        const std::vector<int64_t>& taken, int64_t k) {
+  const double kd = std::max(static_cast<double>(k), 1.0);
+  int64_t best = -1;
+  double best_error = std::numeric_limits<double>::lowest();
+  for (const auto d : candidates) {
+    const double error = weights[static_cast<size_t>(d)] * kd - static_cast<double>(taken[static_cast<size_t>(d)]);
+    if (error > best_error) {
+      best_error = error;
+      best = d;
+    }
+  }
+  return best;
+}
+
 }  // namespace
 
 std::vector<double> normalize_weights(const std::vector<double>& weights) {
@@ -54,17 +73,10 @@ void build_blending_indices(const std::vector<double>& weights, int64_t size, st
   dataset_index.assign(static_cast<size_t>(size), 0);
   dataset_sample_index.assign(static_cast<size_t>(size), 0);
   std::vector<int64_t> taken(static_cast<size_t>(n), 0);
+  std::vector<int64_t> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
   for (int64_t k = 0; k < size; ++k) {
-    const double kd = std::max(static_cast<double>(k), 1.0);
-    int64_t best = 0;
-    double best_error = weights[0] * kd - static_cast<double>(taken[0]);
-    for (int64_t d = 1; d < n; ++d) {
-      const double error = weights[static_cast<size_t>(d)] * kd - static_cast<double>(taken[static_cast<size_t>(d)]);
-      if (error > best_error) {
-        best_error = error;
-        best = d;
-      }
-    }
+    const int64_t best = furthest_behind(all, weights, taken, k);
     dataset_index[static_cast<size_t>(k)] = static_cast<int16_t>(best);
     dataset_sample_index[static_cast<size_t>(k)] = taken[static_cast<size_t>(best)]++;
   }
@@ -85,16 +97,7 @@ void build_exhaustive_blending_indices(const std::vector<int64_t>& sizes, std::v
   dataset_sample_index.assign(static_cast<size_t>(total), 0);
   std::vector<int64_t> taken(static_cast<size_t>(n), 0);
   for (int64_t k = 0; !unspent.empty(); ++k) {
-    const double kd = std::max(static_cast<double>(k), 1.0);
-    int32_t best = -1;
-    double best_error = std::numeric_limits<double>::lowest();
-    for (int32_t d : unspent) {
-      const double error = weights[static_cast<size_t>(d)] * kd - static_cast<double>(taken[static_cast<size_t>(d)]);
-      if (error > best_error) {
-        best_error = error;
-        best = d;
-      }
-    }
+    const auto best = static_cast<int32_t>(furthest_behind(unspent, weights, taken, k));
     dataset_index[static_cast<size_t>(k)] = static_cast<int16_t>(best);
     dataset_sample_index[static_cast<size_t>(k)] = taken[static_cast<size_t>(best)]++;
     if (taken[static_cast<size_t>(best)] == sizes[static_cast<size_t>(best)]) unspent.erase(best);
