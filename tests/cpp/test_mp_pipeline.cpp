@@ -4,8 +4,6 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
-#include <regex>
-
 #include "gpt_test_util.h"
 #include "mp_util.h"
 
@@ -14,20 +12,6 @@ using megatorch::models::GPTModel;
 using megatorch::models::GPTModelOptions;
 using megatorch::parallel::GroupKind;
 namespace pipeline = megatorch::pipeline;
-
-namespace {
-
-// The single-stage model's name of a chunk's parameter.
-std::string global_name(const std::string& name, int64_t layer_begin, bool tied) {
-  static const std::regex layer(R"(^layers\.(\d+)\.)");
-  std::smatch mt;
-  if (std::regex_search(name, mt, layer)) {
-    return "layers." + std::to_string(layer_begin + std::stoll(mt[1])) + "." + mt.suffix().str();
-  }
-  return name == "output_layer" && tied ? "embedding.weight" : name;
-}
-
-}  // namespace
 
 TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][pipeline]") {
   const int64_t world = mp::world_size();
@@ -90,7 +74,9 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         for (int64_t c = 0; c < stage->num_chunks(); ++c) {
           auto chunk = stage->chunk(c);
           for (const auto& p : chunk->named_parameters()) {
-            const std::string name = global_name(p.key(), chunk->options.layer_begin(), config.tie_embeddings());
+            // The single-stage model's name of the chunk's parameter.
+            const std::string name =
+                megatorch::ckpt::gpt_global_name(p.key(), chunk->options.layer_begin(), config.tie_embeddings());
             REQUIRE(full_params.contains(name));
             REQUIRE(p.value().grad().defined());
             const auto want = gpt_test::expected_shard(name, full_params[name].grad(), p.value(), tpg.rank(),
