@@ -40,25 +40,36 @@ const c10::TypedOperatorHandle<MappingOp>& mapping_op(Mapping m) {
   return handles[static_cast<int>(m)];
 }
 
-// Forward: the operator below autograd (CPU, CUDA or Meta/fake kernel).
-// Backward: the adjoint mapping, itself differentiable.
+// Forward: the operator below autograd (CPU, CUDA or Meta/fake kernel), or, for
+// copy_to_tp_region with `alias_identity`, the input itself, which autograd hands back
+// as a view (input.view_as(input)) whose backward is this node's.
+// Backward: the adjoint mapping, itself differentiable. It may return the incoming
+// gradient itself (an identity direction), as the backward of a view op does.
 class MappingFunction : public torch::autograd::Function<MappingFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t mapping,
-                            const std::string& group) {
+                            const std::string& group, bool alias_identity) {
     ctx->saved_data["mapping"] = mapping;
     ctx->saved_data["group"] = group;
+    const auto m = static_cast<Mapping>(mapping);
+    if (alias_identity && m == Mapping::kCopyToTP) return input;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return mapping_op(static_cast<Mapping>(mapping)).call(input, group);
+    return mapping_op(m).call(input, group);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto m = static_cast<Mapping>(ctx->saved_data["mapping"].toInt());
-    const std::string group = ctx->saved_data["group"].toStringRef();
-    return {apply_mapping(mapping_adjoint(m), grads[0], group), at::Tensor(), at::Tensor()};
+    const std::string& group = ctx->saved_data["group"].toStringRef();
+    return {apply_mapping(mapping_adjoint(m), grads[0], group), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+bool splits_or_gathers(Mapping m) { return m != Mapping::kCopyToTP && m != Mapping::kReduceFromTP; }
+
+// Whether autograd would record a node: if not (inference, or a backward without
+// create_graph), the mapping runs without one, as autograd's own kernels do.
+bool records_gradient(const at::Tensor& input) { return at::GradMode::is_enabled() && input.requires_grad(); }
 
 }  // namespace
 
@@ -71,6 +82,7 @@ const char* mapping_name(Mapping m) {
     case Mapping::kScatterToSP: return "scatter_to_sp_region";
     case Mapping::kGatherFromSP: return "gather_from_sp_region";
     case Mapping::kReduceScatterToSP: return "reduce_scatter_to_sp_region";
+    case Mapping::kCount: break;
   }
   return "?";
 }
@@ -84,13 +96,14 @@ Mapping mapping_adjoint(Mapping m) {
     case Mapping::kScatterToSP: return Mapping::kGatherFromSP;
     case Mapping::kGatherFromSP: return Mapping::kReduceScatterToSP;
     case Mapping::kReduceScatterToSP: return Mapping::kGatherFromSP;
+    case Mapping::kCount: break;
   }
-  return m;
+  MEGATORCH_FAIL("mapping_adjoint: expected a mapping, got Mapping::kCount");
 }
 
 std::vector<c10::SymInt> mapping_output_shape(Mapping m, c10::SymIntArrayRef shape, int64_t group_size) {
   std::vector<c10::SymInt> out(shape.begin(), shape.end());
-  if (m == Mapping::kCopyToTP || m == Mapping::kReduceFromTP) return out;
+  if (!splits_or_gathers(m)) return out;
   MEGATORCH_CHECK(!shape.empty(), mapping_name(m), ": expected a tensor with at least one dim, got a scalar");
   const int64_t dim = split_dim(m, static_cast<int64_t>(shape.size()));
   switch (m) {
@@ -106,13 +119,16 @@ std::vector<c10::SymInt> mapping_output_shape(Mapping m, c10::SymIntArrayRef sha
   return out;
 }
 
+// The operators' kernel. Their schemas carry no alias annotation, so an output never
+// shares the input's memory: the identity copies, the all-reduce reduces a contiguous
+// copy in place (the only copy it makes), a scatter copies its chunk.
 at::Tensor mapping_forward(Mapping m, const at::Tensor& input, const std::string& group_name) {
   Group group(group_name);
   const int64_t dim = input.dim() > 0 ? split_dim(m, input.dim()) : 0;
   mapping_output_shape(m, input.sym_sizes(), group.size());  // validates before any collective
   switch (m) {
     case Mapping::kCopyToTP:
-      return input.clone();  // an operator's output must not alias its input
+      return input.clone();
     case Mapping::kReduceFromTP: {
       at::Tensor out = input.clone(at::MemoryFormat::Contiguous);
       return group.all_reduce(out);
@@ -126,12 +142,40 @@ at::Tensor mapping_forward(Mapping m, const at::Tensor& input, const std::string
       return group.all_gather(input, dim);
     case Mapping::kReduceScatterToSP:
       return group.reduce_scatter(input, dim);
+    case Mapping::kCount: break;
   }
-  return input;
+  MEGATORCH_FAIL("mapping_forward: expected a mapping, got Mapping::kCount");
 }
 
+// The identity directions without a copy. Only here, for C++ callers: through the
+// dispatcher (detail::apply_mapping_op) an alias would break the schemas' promise, which
+// TorchScript's alias analysis and torch.compile's functionalization rely on. The
+// all-reduce keeps its one copy (it must not reduce the caller's tensor in place), and so
+// does the scatter: its chunk of the last dim is not contiguous and the linear after it
+// would copy it anyway.
 at::Tensor apply_mapping(Mapping m, const at::Tensor& input, const std::string& group) {
-  return MappingFunction::apply(input, static_cast<int64_t>(m), group);
+  const Group g(group);  // cached: validates the name, gives the size
+  if (g.size() == 1) {
+    MEGATORCH_CHECK(!splits_or_gathers(m) || input.dim() > 0, mapping_name(m),
+                    ": expected a tensor with at least one dim, got a scalar");
+    return input;  // every mapping is the identity on one rank, forward and backward
+  }
+  if (!records_gradient(input)) {
+    if (m == Mapping::kCopyToTP) return input;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return mapping_op(m).call(input, group);
+  }
+  return MappingFunction::apply(input, static_cast<int64_t>(m), group, /*alias_identity=*/true);
 }
+
+namespace detail {
+at::Tensor apply_mapping_op(Mapping m, const at::Tensor& input, const std::string& group) {
+  if (!records_gradient(input)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return mapping_op(m).call(input, group);
+  }
+  return MappingFunction::apply(input, static_cast<int64_t>(m), group, /*alias_identity=*/false);
+}
+}  // namespace detail
 
 }  // namespace megatorch::comm

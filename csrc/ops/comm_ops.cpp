@@ -1,10 +1,12 @@
 // Registers the communication mappings and the accounting as torch.ops.megatorch.*.
 // Registration only: the functions live in csrc/comm/.
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
+#include <utility>
+
 #include "megatorch/comm/comm_stats.h"
+#include "megatorch/comm/group.h"
 #include "megatorch/comm/mappings.h"
 
 namespace megatorch::ops {
@@ -19,13 +21,13 @@ at::Tensor forward_kernel(const at::Tensor& input, c10::string_view group) {
 
 template <Mapping M>
 at::Tensor meta_kernel(const at::Tensor& input, c10::string_view group) {
-  const int64_t size = c10d::resolve_process_group(std::string(group))->getSize();
+  const int64_t size = comm::Group(std::string(group)).size();
   return at::empty_symint(comm::mapping_output_shape(M, input.sym_sizes(), size), input.options());
 }
 
 template <Mapping M>
 at::Tensor autograd_kernel(const at::Tensor& input, c10::string_view group) {
-  return comm::apply_mapping(M, input, std::string(group));
+  return comm::detail::apply_mapping_op(M, input, std::string(group));
 }
 
 c10::Dict<std::string, int64_t> comm_stats_op(c10::string_view group) {
@@ -53,13 +55,15 @@ void impl_mapping(torch::Library& m, c10::DispatchKey key) {
   }
 }
 
-template <Mapping... Ms>
+// Every enumerator before Mapping::kCount.
+template <int... Is>
 struct AllMappings {
-  static void def(torch::Library& m) { (def_mapping<Ms>(m), ...); }
-  static void impl(torch::Library& m, c10::DispatchKey key) { (impl_mapping<Ms>(m, key), ...); }
+  static void def(torch::Library& m) { (def_mapping<static_cast<Mapping>(Is)>(m), ...); }
+  static void impl(torch::Library& m, c10::DispatchKey key) { (impl_mapping<static_cast<Mapping>(Is)>(m, key), ...); }
 };
-using Mappings = AllMappings<Mapping::kCopyToTP, Mapping::kReduceFromTP, Mapping::kScatterToTP, Mapping::kGatherFromTP,
-                             Mapping::kScatterToSP, Mapping::kGatherFromSP, Mapping::kReduceScatterToSP>;
+template <int... Is>
+AllMappings<Is...> all_mappings(std::integer_sequence<int, Is...>);
+using Mappings = decltype(all_mappings(std::make_integer_sequence<int, comm::kNumMappings>()));
 
 }  // namespace
 

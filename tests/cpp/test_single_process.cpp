@@ -1,6 +1,7 @@
 // A world of one rank, from an explicit store: the group machinery without torchrun.
 #include <catch2/catch.hpp>
 #include <megatorch/megatorch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
@@ -43,12 +44,22 @@ TEST_CASE("a one-rank group communicates nothing and counts nothing", "[single]"
   CHECK(torch::equal(g.reduce_scatter(x, 0), x));
   CHECK(g.stats().total().calls == 0);
   for (int i = 0; i < megatorch::comm::kNumMappings; ++i) {
+    const auto m = static_cast<Mapping>(i);
+    const auto op = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow((std::string("megatorch::") + megatorch::comm::mapping_name(m)).c_str(), "")
+                        .typed<at::Tensor(const at::Tensor&, c10::string_view)>();
     auto in = x.clone().requires_grad_(true);
-    auto out = megatorch::comm::apply_mapping(static_cast<Mapping>(i), in, g.name());
+    auto out = op.call(in, g.name());
     CHECK(torch::equal(out, x));
     CHECK_FALSE(out.data_ptr() == in.data_ptr());  // operators never alias their input
     out.sum().backward();
     CHECK(torch::equal(in.grad(), torch::ones_like(x)));
+    // In C++ every mapping over one rank is the identity: the input itself, both ways.
+    auto in2 = x.clone().requires_grad_(true);
+    auto same = megatorch::comm::apply_mapping(m, in2, g.name());
+    CHECK(same.is_same(in2));
+    same.sum().backward();
+    CHECK(torch::equal(in2.grad(), torch::ones_like(x)));
   }
   CHECK(g.stats().total().bytes == 0);
 }

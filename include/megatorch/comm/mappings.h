@@ -13,8 +13,9 @@
 //   reduce_scatter_to_sp_region reduce-scatter along dim 0   all-gather along dim 0
 //
 // Each backward is the forward of another mapping (its "adjoint" below), so the set is
-// closed: the autograd kernel of one operator calls the operator of its adjoint, which
-// keeps double backward, TorchScript and torch.compile (fake tensors) on the dispatcher.
+// closed: the backward of one mapping applies its adjoint (its operator, or nothing for
+// an identity), which keeps double backward, TorchScript and torch.compile (fake
+// tensors) on the dispatcher.
 #include <ATen/Tensor.h>
 
 #include <string>
@@ -30,8 +31,9 @@ enum class Mapping {
   kScatterToSP,
   kGatherFromSP,
   kReduceScatterToSP,
+  kCount,  // no mapping: the number of them, so a new one goes before it
 };
-constexpr int kNumMappings = 7;
+constexpr int kNumMappings = static_cast<int>(Mapping::kCount);
 
 // Operator name without namespace, e.g. "copy_to_tp_region".
 const char* mapping_name(Mapping m);
@@ -44,8 +46,19 @@ at::Tensor mapping_forward(Mapping m, const at::Tensor& input, const std::string
 // sizes allowed so that torch.compile(dynamic=True) traces it). Validates divisibility.
 std::vector<c10::SymInt> mapping_output_shape(Mapping m, c10::SymIntArrayRef input_shape, int64_t group_size);
 
-// Differentiable: runs the operator through the dispatcher with Megatron's backward.
+// Differentiable, with Megatron's backward: what the C++ layers call. The collectives run
+// as the operators, through the dispatcher; the identity directions copy nothing. On a
+// group of one rank every mapping is the identity both ways and `input` itself comes
+// back; copy_to_tp_region's forward returns `input` (as a view carrying the all-reduce
+// backward when a gradient is wanted). Like contiguous(), then, the result may share
+// `input`'s memory: modify neither in place while the other is still needed.
 at::Tensor apply_mapping(Mapping m, const at::Tensor& input, const std::string& group);
+
+namespace detail {
+// The operators' autograd kernel: apply_mapping whose result never aliases `input`, as
+// the operator schemas (no alias annotation) promise TorchScript and torch.compile.
+at::Tensor apply_mapping_op(Mapping m, const at::Tensor& input, const std::string& group);
+}  // namespace detail
 
 inline at::Tensor copy_to_tp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kCopyToTP, x, g); }
 inline at::Tensor reduce_from_tp_region(const at::Tensor& x, const std::string& g) { return apply_mapping(Mapping::kReduceFromTP, x, g); }
