@@ -1,24 +1,33 @@
 #include "megatorch/comm/comm_stats.h"
 
+#include <atomic>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
 namespace megatorch::comm {
-namespace {
+namespace detail {
 
-struct GroupCounters {
-  CommStats stats;
-  int64_t next_seq = 0;  // not reset with the stats: it identifies collectives in errors
+struct CounterSlot {
+  std::array<std::atomic<int64_t>, kNumCommOps> calls{};
+  std::array<std::atomic<int64_t>, kNumCommOps> bytes{};
+  std::atomic<int64_t> next_seq{0};  // not reset with the stats: it identifies collectives in errors
 };
 
-// Keyed by group name like c10d's own group registry, so counters survive handles.
-std::mutex& counters_mutex() {
+}  // namespace detail
+namespace {
+
+using detail::CounterSlot;
+
+// Keyed by group name like c10d's own group registry, so counters survive handles. The
+// lock guards the map only (making a slot, snapshots, resets), never a collective's count.
+std::mutex& slots_mutex() {
   static std::mutex m;
   return m;
 }
-std::unordered_map<std::string, GroupCounters>& counters() {
-  static std::unordered_map<std::string, GroupCounters> c;
-  return c;
+std::unordered_map<std::string, std::unique_ptr<CounterSlot>>& slots() {
+  static auto* s = new std::unordered_map<std::string, std::unique_ptr<CounterSlot>>();  // outlives every handle
+  return *s;
 }
 
 }  // namespace
@@ -32,6 +41,7 @@ const char* comm_op_name(CommOp op) {
     case CommOp::kSend: return "send";
     case CommOp::kRecv: return "recv";
     case CommOp::kBarrier: return "barrier";
+    case CommOp::kCount: break;
   }
   return "?";
 }
@@ -58,26 +68,48 @@ std::map<std::string, int64_t> CommStats::to_map() const {
 }
 
 CommStats comm_stats(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(counters_mutex());
-  auto it = counters().find(group_name);
-  return it == counters().end() ? CommStats{} : it->second.stats;
+  std::lock_guard<std::mutex> lock(slots_mutex());
+  CommStats out;
+  auto it = slots().find(group_name);
+  if (it == slots().end()) return out;
+  const CounterSlot& slot = *it->second;
+  for (int i = 0; i < kNumCommOps; ++i) {
+    out.ops[i].calls = slot.calls[i].load(std::memory_order_relaxed);
+    out.ops[i].bytes = slot.bytes[i].load(std::memory_order_relaxed);
+  }
+  return out;
 }
 
 void reset_comm_stats(const std::string& group_name) {
-  std::lock_guard<std::mutex> lock(counters_mutex());
-  for (auto& [name, c] : counters()) {
-    if (group_name.empty() || name == group_name) c.stats = CommStats{};
+  std::lock_guard<std::mutex> lock(slots_mutex());
+  for (auto& [name, slot] : slots()) {
+    if (!group_name.empty() && name != group_name) continue;
+    for (int i = 0; i < kNumCommOps; ++i) {
+      slot->calls[i].store(0, std::memory_order_relaxed);
+      slot->bytes[i].store(0, std::memory_order_relaxed);
+    }
   }
 }
 
 namespace detail {
-int64_t record_comm(const std::string& group_name, CommOp op, int64_t bytes) {
-  std::lock_guard<std::mutex> lock(counters_mutex());
-  auto& c = counters()[group_name];
-  c.stats[op].calls += 1;
-  c.stats[op].bytes += bytes;
-  return c.next_seq++;
-}
-}  // namespace detail
 
+CounterSlot* counter_slot(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(slots_mutex());
+  auto& slot = slots()[group_name];
+  if (!slot) slot = std::make_unique<CounterSlot>();
+  return slot.get();
+}
+
+int64_t record_comm(CounterSlot& slot, CommOp op, int64_t bytes) {
+  const int i = static_cast<int>(op);
+  slot.calls[i].fetch_add(1, std::memory_order_relaxed);
+  slot.bytes[i].fetch_add(bytes, std::memory_order_relaxed);
+  return slot.next_seq.fetch_add(1, std::memory_order_relaxed);
+}
+
+int64_t record_comm(const std::string& group_name, CommOp op, int64_t bytes) {
+  return record_comm(*counter_slot(group_name), op, bytes);
+}
+
+}  // namespace detail
 }  // namespace megatorch::comm

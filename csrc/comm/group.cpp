@@ -1,14 +1,12 @@
 #include "megatorch/comm/group.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <cstdlib>
 #include <sstream>
 
+#include "group_cache.h"
 #include "megatorch/check.h"
-#include "megatorch/parallel/launch_env.h"
 
 namespace megatorch::comm {
 namespace {
@@ -27,17 +25,6 @@ int64_t normalize_dim(int64_t dim, const at::Tensor& t, const char* what) {
   MEGATORCH_CHECK(nd > 0 && dim >= -nd && dim < nd, what, ": expected dim in [", -nd, ", ", nd,
                   ") for a tensor of shape ", t.sizes(), ", got ", dim);
   return dim < 0 ? dim + nd : dim;
-}
-
-std::chrono::milliseconds group_timeout(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
-  if (std::getenv("MEGATORCH_COMM_TIMEOUT_S")) return parallel::default_comm_timeout();
-  try {
-    auto opts = pg->getDefaultBackend()->getBackendOptions();
-    if (opts && opts->timeout.count() > 0) return opts->timeout;
-  } catch (const std::exception&) {
-    // A backend without getBackendOptions: fall through to the default.
-  }
-  return parallel::default_comm_timeout();
 }
 
 [[noreturn]] void fail(const CollectiveInfo& i, const std::string& cause) {
@@ -90,18 +77,12 @@ bool Work::is_completed() const {
 
 // --------------------------------------------------------------------------- Group
 
-Group::Group(std::string name) : name_(std::move(name)) {
-  try {
-    pg_ = c10d::resolve_process_group(name_);
-  } catch (const std::exception&) {
-    MEGATORCH_FAIL("expected a process group registered under the name '", name_,
-                   "', found none; pass the name of a group made by megatorch's ParallelState "
-                   "(e.g. state.group_name(GroupKind::kTensor)) or of one made in Python by "
-                   "torch.distributed.new_group(...) (its .group_name)");
-  }
-  rank_ = pg_->getRank();
-  size_ = pg_->getSize();
-  timeout_ = group_timeout(pg_);
+Group::Group(const std::string& name) : name_(name) {
+  const detail::ResolvedGroup& r = detail::resolve_group(name_, pg_);
+  rank_ = r.rank;
+  size_ = r.size;
+  timeout_ = r.timeout;
+  counters_ = r.counters;
 }
 
 Group::Group(const parallel::ParallelState& state, parallel::GroupKind kind)
@@ -115,7 +96,7 @@ CollectiveInfo Group::begin(CommOp op, int64_t bytes, const std::string& backend
   CollectiveInfo info;
   info.group = name_;
   info.op = op;
-  info.seq = detail::record_comm(name_, op, bytes);
+  info.seq = detail::record_comm(*counters_, op, bytes);
   info.rank = rank_;
   info.size = size_;
   info.backend = backend;

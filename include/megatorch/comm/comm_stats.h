@@ -10,7 +10,11 @@
 //   send / recv     the tensor sent / the buffer received into
 //   barrier         0
 // Groups of one rank move nothing and count nothing. Counters are kept per group name,
-// so every handle on the same group (C++ Group, operator calls, Python) shares them.
+// so every handle on the same group (C++ Group, operator calls, Python) shares them, and a
+// name registered again (a ParallelState destroyed and made anew) counts on, sequence
+// numbers included, from where the old group left off. They are atomics, not one lock: a
+// snapshot taken while another thread communicates may see an operation's call before
+// its bytes.
 #include <array>
 #include <cstdint>
 #include <map>
@@ -18,8 +22,9 @@
 
 namespace megatorch::comm {
 
-enum class CommOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kSend, kRecv, kBarrier };
-constexpr int kNumCommOps = 7;
+// kCount is no operation: it counts them, so a new one goes before it.
+enum class CommOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kSend, kRecv, kBarrier, kCount };
+constexpr int kNumCommOps = static_cast<int>(CommOp::kCount);
 const char* comm_op_name(CommOp op);
 
 struct OpStats {
@@ -42,7 +47,12 @@ CommStats comm_stats(const std::string& group_name);
 void reset_comm_stats(const std::string& group_name = "");
 
 namespace detail {
+// One group name's counters and sequence number. Made on first use and never freed, so
+// a handle keeps a plain pointer to it and counts without a lookup or a lock.
+struct CounterSlot;
+CounterSlot* counter_slot(const std::string& group_name);
 // Records one operation and returns the group's sequence number for it (0, 1, ...).
+int64_t record_comm(CounterSlot& slot, CommOp op, int64_t bytes);
 int64_t record_comm(const std::string& group_name, CommOp op, int64_t bytes);
 }  // namespace detail
 

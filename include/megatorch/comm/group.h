@@ -69,13 +69,17 @@ struct P2POp {
 
 class Group {
  public:
-  // Resolves a group registered in c10d's registry under `name`.
-  explicit Group(std::string name);
+  // Resolves a group registered in c10d's registry under `name`. Cheap enough to make one
+  // per call: after a thread's first use of a name, what it resolves to is cached
+  // (csrc/comm/group_cache.h) and only checked against the registry, so a name registered
+  // again after its group was destroyed resolves to the new group.
+  explicit Group(const std::string& name);
   // The group of `kind` that this rank belongs to in `state`.
   Group(const parallel::ParallelState& state, parallel::GroupKind kind);
 
-  // The timeout of every wait: MEGATORCH_COMM_TIMEOUT_S if set, else the process
-  // group's own timeout (ParallelStateOptions::timeout, or new_group(timeout=...)).
+  // The timeout of every wait: MEGATORCH_COMM_TIMEOUT_S if set (read when a thread first
+  // resolves the group), else the process group's own timeout
+  // (ParallelStateOptions::timeout, or new_group(timeout=...)).
   const std::string& name() const { return name_; }
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
@@ -124,6 +128,7 @@ class Group {
   int64_t rank_ = 0;
   int64_t size_ = 1;
   std::chrono::milliseconds timeout_;
+  detail::CounterSlot* counters_ = nullptr;  // this name's, shared by every handle on it
 };
 
 // Many small tensors through one collective: `reduce` runs on the 1-D concatenation of

@@ -150,3 +150,29 @@ def test_torchscript_save_load(tmp_path_factory):
 class ScriptedBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor, w: torch.Tensor, group: str) -> torch.Tensor:
         return tp_block(x, w, group)
+
+
+def test_a_name_registered_again_reaches_the_new_group():
+    """The operators resolve a group name through a per-thread cache, checked against
+    c10d's registry on every call: a name registered again reaches the new group, and a
+    destroyed group's name fails by name."""
+    c10d = torch._C._distributed_c10d
+    world, rank = dist.get_world_size(), dist.get_rank()
+    everyone = dist.new_group(list(range(world)))  # collective: every rank, same order
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    name = everyone.group_name
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    torch.ops.megatorch.copy_to_tp_region(x, name).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, world))  # backward all-reduced over every rank
+
+    c10d._unregister_process_group(name)
+    c10d._register_process_group(name, alone)
+    x.grad = None
+    torch.ops.megatorch.copy_to_tp_region(x, name).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # this rank's group of one: nothing added
+
+    c10d._unregister_process_group(name)
+    c10d._register_process_group(name, everyone)
+    dist.destroy_process_group(everyone)
+    with pytest.raises(RuntimeError, match=f"registered under the name '{name}'"):
+        torch.ops.megatorch.copy_to_tp_region(x, name)
