@@ -61,6 +61,11 @@ TEST_CASE("f's identity forward: no copy in C++, a copy through the operator", "
     (y * static_cast<double>(r + 1)).sum().backward();
     CHECK(torch::equal(x.grad(), torch::full({3, 2}, n * (n + 1) / 2.0)));  // all-reduced
     CHECK(g.stats()[CommOp::kAllReduce].calls == (n > 1 ? 1 : 0));
+    if (n > 1 && !through_op) {
+      // The view is f's own: changing it in place, which would bypass f's backward, is refused.
+      auto v = comm::copy_to_tp_region(x * 1.0, tp);
+      CHECK_THROWS_WITH(v.add_(1.0), Catch::Contains("view") && Catch::Contains("inplace"));
+    }
     // Without a gradient to record, the C++ path returns the input itself.
     torch::NoGradGuard no_grad;
     auto z = through_op ? mapping_op(comm::Mapping::kCopyToTP).call(x, tp) : comm::copy_to_tp_region(x, tp);
