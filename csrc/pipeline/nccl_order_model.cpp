@@ -204,22 +204,27 @@ NcclOrderReport verify_nccl_order(const std::vector<std::vector<P2PStep>>& steps
   return Model(steps, costs).run();
 }
 
-NcclOrderReport verify_schedule_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
-                                           const SimulatorOptions& costs) {
+namespace {
+// Every rank's p2p steps of one schedule (`steps_of(r)`), run through the model.
+template <typename StepsOf>
+NcclOrderReport verify_every_rank(ScheduleKind kind, int64_t p, int64_t m, int64_t v, const SimulatorOptions& costs,
+                                  StepsOf steps_of) {
   check_schedule_args(kind, p, m, v);
   std::vector<std::vector<P2PStep>> steps;
   steps.reserve(p);
-  for (int64_t r = 0; r < p; ++r) steps.push_back(schedule_p2p_steps(kind, p, m, v, r));
+  for (int64_t r = 0; r < p; ++r) steps.push_back(steps_of(r));
   return verify_nccl_order(steps, costs);
+}
+}  // namespace
+
+NcclOrderReport verify_schedule_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
+                                           const SimulatorOptions& costs) {
+  return verify_every_rank(kind, p, m, v, costs, [&](int64_t r) { return schedule_p2p_steps(kind, p, m, v, r); });
 }
 
 NcclOrderReport verify_forward_only_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
                                                const SimulatorOptions& costs) {
-  check_schedule_args(kind, p, m, v);
-  std::vector<std::vector<P2PStep>> steps;
-  steps.reserve(p);
-  for (int64_t r = 0; r < p; ++r) steps.push_back(forward_only_p2p_steps(kind, p, m, v, r));
-  return verify_nccl_order(steps, costs);
+  return verify_every_rank(kind, p, m, v, costs, [&](int64_t r) { return forward_only_p2p_steps(kind, p, m, v, r); });
 }
 
 }  // namespace megatorch::pipeline
