@@ -1,0 +1,330 @@
+// HuggingFace config.json <-> TransformerConfig: which architectures are understood, what
+// their fields mean here, and what an import refuses by name.
+#include "megatorch/ckpt/hf_convert.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <type_traits>
+#include <vector>
+
+#include "megatorch/check.h"
+#include "megatorch/util/enum_names.h"
+#include "megatorch/util/strings.h"
+#include "hf_internal.h"
+
+namespace megatorch::ckpt {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using transformer::Activation;
+using transformer::Normalization;
+using transformer::Positions;
+using transformer::TransformerConfig;
+using namespace hf_detail;
+
+bool hf_detail::llama_shaped(const TransformerConfig& c) {
+  return c.normalization() == Normalization::kRMSNorm && c.activation() == Activation::kSwiGLU &&
+         c.position_embedding_type() == Positions::kRope && !c.add_bias_linear();
+}
+
+bool hf_detail::gpt2_shaped(const TransformerConfig& c) {
+  return c.normalization() == Normalization::kLayerNorm && c.activation() == Activation::kGeluTanh &&
+         c.position_embedding_type() == Positions::kLearned && c.add_bias_linear() &&
+         c.query_groups() == c.num_attention_heads();
+}
+
+namespace {
+
+// Sizes above this are no real model's and could overflow the products computed from them.
+constexpr int64_t kMaxSize = int64_t{1} << 40;
+
+// An integer field of config.json within [min, 2^40], named when it is not.
+int64_t size_field(const json& j, const char* key, int64_t min) {
+  const int64_t v = field<int64_t>(j, key);
+  MEGATORCH_CHECK(v >= min, "config.json: expected '", key, "' to be an integer >= ", min, ", got ", v,
+                  "; fix the field in config.json");
+  MEGATORCH_CHECK(v <= kMaxSize, "config.json: expected '", key, "' <= 2^40 (no model is larger), got ", v,
+                  "; fix the field in config.json");
+  return v;
+}
+
+int64_t size_field_or(const json& j, const char* key, int64_t min, int64_t fallback) {
+  return j.contains(key) && !j.at(key).is_null() ? size_field(j, key, min) : fallback;
+}
+
+// The RoPE of a Llama-family config.json: transformers 5 writes rope_parameters (possibly one
+// dict per layer type), 4.x rope_theta at the top and rope_scaling for the scaled kinds.
+// megatorch implements the default, unscaled RoPE over the whole head: returns its base.
+double rope_base(const json& h, const std::string& arch) {
+  double theta = get_or<double>(h, "rope_theta", 10000.0);
+  MEGATORCH_CHECK(get_or<double>(h, "partial_rotary_factor", 1.0) == 1.0, arch, " import: partial_rotary_factor ",
+                  h.at("partial_rotary_factor").dump(), " is not supported; megatorch rotates the whole head (1.0)");
+  std::vector<std::pair<std::string, json>> dicts;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!h.contains(key) || h.at(key).is_null()) continue;
+    const json& r = h.at(key);
+    MEGATORCH_CHECK(r.is_object(), arch, " import: expected ", key, " to be an object, got ", r.dump());
+    bool nested = !r.empty();
+    for (const auto& [k, v] : r.items()) nested = nested && v.is_object();
+    if (nested) {  // per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+      for (const auto& [k, v] : r.items()) dicts.emplace_back(std::string(key) + "." + k, v);
+    } else {
+      dicts.emplace_back(key, r);
+    }
+  }
+  bool first = true;
+  for (const auto& [where, r] : dicts) {
+    const std::string type = get_or<std::string>(r, "rope_type", get_or<std::string>(r, "type", "default"));
+    MEGATORCH_CHECK(type == "default", arch, " import: ", where, ".rope_type '", type,
+                    "' is not supported; megatorch implements the default (unscaled) RoPE only");
+    MEGATORCH_CHECK(get_or<double>(r, "partial_rotary_factor", 1.0) == 1.0, arch, " import: ", where,
+                    ".partial_rotary_factor ", r.value("partial_rotary_factor", json()).dump(),
+                    " is not supported; megatorch rotates the whole head (1.0)");
+    const double t = get_or<double>(r, "rope_theta", theta);
+    MEGATORCH_CHECK(first || t == theta, arch, " import: ", where, ".rope_theta ", t, " differs from ", theta,
+                    "; megatorch uses one RoPE base for every layer");
+    theta = t, first = false;
+  }
+  return theta;
+}
+
+// Qwen2's window: layer i slides when use_sliding_window and i >= max_window_layers
+// (transformers writes this out as layer_types). megatorch has one attention kind for every
+// layer: all sliding is a window, none sliding is none, a mix is refused.
+int64_t qwen2_window(const json& h, int64_t layers) {
+  if (!get_or<bool>(h, "use_sliding_window", false)) return 0;
+  const int64_t window = size_field_or(h, "sliding_window", 0, 0);
+  if (window <= 0) return 0;
+  int64_t sliding = 0;
+  if (h.contains("layer_types") && h.at("layer_types").is_array()) {
+    for (const auto& t : h.at("layer_types")) {
+      MEGATORCH_CHECK(t.is_string(), "config.json: expected 'layer_types' to hold strings, got ", t.dump());
+      sliding += t.get<std::string>() == "sliding_attention";
+    }
+  } else {
+    sliding = std::max<int64_t>(0, layers - size_field_or(h, "max_window_layers", 0, 28));
+  }
+  MEGATORCH_CHECK(sliding == 0 || sliding == layers, "Qwen2 import: use_sliding_window with max_window_layers ",
+                  get_or<int64_t>(h, "max_window_layers", 28), " (layer_types) gives ", sliding, " sliding-window and ",
+                  layers - sliding, " full-attention layers; megatorch gives every layer the same attention, so "
+                  "max_window_layers must be 0 (all layers slide) or >= num_hidden_layers (", layers, ", none do)");
+  return sliding == layers ? window : 0;
+}
+
+
+}  // namespace
+
+const char* to_string(HFArch a) {
+  switch (a) {
+    case HFArch::kGPT2: return "gpt2";
+    case HFArch::kLlama: return "llama";
+    case HFArch::kMistral: return "mistral";
+    case HFArch::kQwen2: return "qwen2";
+  }
+  return "?";
+}
+
+HFArch parse_hf_arch(const std::string& s) {
+  return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2},
+                          "a HuggingFace model_type");
+}
+
+bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
+  switch (a) {
+    case HFArch::kGPT2: return gpt2_shaped(c) && c.sliding_window() == 0;
+    case HFArch::kLlama: return llama_shaped(c) && !c.add_qkv_bias() && c.sliding_window() == 0;
+    case HFArch::kMistral: return llama_shaped(c) && !c.add_qkv_bias();
+    case HFArch::kQwen2: return llama_shaped(c) && c.add_qkv_bias();
+  }
+  return false;
+}
+
+HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
+  if (!preferred.empty()) {
+    const HFArch p = parse_hf_arch(preferred);
+    if (hf_arch_holds(p, c)) return p;
+  }
+  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kMistral})
+    if (hf_arch_holds(a, c)) return a;
+  MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
+                 to_string(c.position_embedding_type()), ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
+                 c.add_qkv_bias(), ", sliding_window ", c.sliding_window(), ", ", c.query_groups(),
+                 " query groups) is neither GPT-2 (LayerNorm, gelu_tanh, learned positions, biases, MHA, no window) "
+                 "nor Llama/Mistral/Qwen2 (RMSNorm, swiglu, rope, no linear biases; Qwen2: add_qkv_bias; "
+                 "Mistral: sliding_window)");
+}
+
+namespace {
+
+// hidden / heads and heads / key-value heads, named with config.json's own fields before
+// anything divides by them (validate() says the same in megatorch's names).
+void check_heads(const json& h, const char* hidden_key, const char* heads_key, const char* groups_key) {
+  const int64_t hidden = h.at(hidden_key).get<int64_t>(), heads = h.at(heads_key).get<int64_t>();
+  MEGATORCH_CHECK(hidden % heads == 0, "config.json: expected ", hidden_key, " (", hidden, ") to be divisible by ",
+                  heads_key, " (", heads, "); fix the field in config.json");
+  if (groups_key == nullptr || !h.contains(groups_key) || h.at(groups_key).is_null()) return;
+  const int64_t groups = h.at(groups_key).get<int64_t>();
+  MEGATORCH_CHECK(heads % groups == 0, "config.json: expected ", heads_key, " (", heads, ") to be divisible by ",
+                  groups_key, " (", groups, "); each key/value head serves a whole group of query heads");
+}
+
+// validate() on what config.json made, its message prefixed with where the config came from.
+void validate_imported(const TransformerConfig& c, const std::string& arch) {
+  try {
+    c.validate(1);
+  } catch (const c10::Error& e) {
+    MEGATORCH_FAIL(arch, " import: config.json does not describe a valid model: ",
+                   without_error_prefix(e.what_without_backtrace()));
+  }
+}
+
+}  // namespace
+
+TransformerConfig config_from_hf(const json& h) {
+  MEGATORCH_CHECK(h.is_object(), "config.json: expected a JSON object, got ", h.type_name());
+  const std::string type = get_or<std::string>(h, "model_type", "");
+  const HFArch arch = parse_hf_arch(type);
+  MEGATORCH_CHECK(!h.contains("quantization_config") || h.at("quantization_config").is_null(), type,
+                  " import: quantization_config is not supported; import the unquantized (fp32/bf16/fp16) model");
+  TransformerConfig c;
+  // Dropout probabilities (attn_pdrop, resid_pdrop, embd_pdrop, attention_dropout) act in
+  // training only; a run sets its own (--attention-dropout, --hidden-dropout), so they are
+  // not carried and do not change what the imported model computes.
+  c.hidden_dropout(0).attention_dropout(0);
+  if (arch == HFArch::kGPT2) {
+    const std::string act = get_or<std::string>(h, "activation_function", "gelu_new");
+    MEGATORCH_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", "GPT-2 import: activation_function '", act,
+                    "' is not supported; megatorch's GPT-2 uses the tanh GeLU (gelu_new)");
+    MEGATORCH_CHECK(!get_or<bool>(h, "scale_attn_by_inverse_layer_idx", false),
+                    "GPT-2 import: scale_attn_by_inverse_layer_idx true is not supported; megatorch scales "
+                    "attention by 1/sqrt(head_dim) only");
+    MEGATORCH_CHECK(get_or<bool>(h, "scale_attn_weights", true),
+                    "GPT-2 import: scale_attn_weights false is not supported; megatorch scales attention by "
+                    "1/sqrt(head_dim)");
+    // reorder_and_upcast_attn computes the same attention in fp32 (a precision choice, and
+    // megatorch's SDPA in fp32 is that already for fp32 models).
+    MEGATORCH_CHECK(!get_or<bool>(h, "add_cross_attention", false),
+                    "GPT-2 import: add_cross_attention true is not supported; megatorch's GPT is decoder-only");
+    const int64_t hidden = size_field(h, "n_embd", 1), heads = size_field(h, "n_head", 1);
+    const int64_t positions = size_field(h, "n_positions", 1);
+    check_heads(h, "n_embd", "n_head", nullptr);
+    c.hidden_size(hidden)
+        .num_attention_heads(heads)
+        .num_layers(size_field(h, "n_layer", 1))
+        .vocab_size(size_field(h, "vocab_size", 1))
+        .max_position_embeddings(positions)
+        .seq_length(positions)
+        .ffn_hidden_size(size_field_or(h, "n_inner", 1, 4 * hidden))
+        .norm_epsilon(get_or<double>(h, "layer_norm_epsilon", 1e-5))
+        .init_std(get_or<double>(h, "initializer_range", 0.02))
+        .normalization(Normalization::kLayerNorm)
+        .activation(Activation::kGeluTanh)
+        .position_embedding_type(Positions::kLearned)
+        .add_bias_linear(true)
+        .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", true));
+    validate_imported(c, "GPT-2");
+    return c;
+  }
+  // Llama, Mistral and Qwen2: one layout; Qwen2 adds q/k/v biases, Mistral (and Qwen2 with
+  // use_sliding_window) a sliding window. pretraining_tp > 1 (Llama) only split the matmuls
+  // in transformers 4.x (numerically the same sums; 5.x ignores it), so it is not refused;
+  // pad_token_id only keeps HF's embedding row from training (padding_idx), not the forward.
+  const std::string name = arch == HFArch::kLlama ? "Llama" : arch == HFArch::kMistral ? "Mistral" : "Qwen2";
+  const std::string act = get_or<std::string>(h, "hidden_act", "silu");
+  MEGATORCH_CHECK(act == "silu" || act == "swish", name, " import: hidden_act '", act,
+                  "' is not supported (megatorch's SwiGLU uses silu)");
+  if (arch == HFArch::kLlama) {  // Mistral's and Qwen2's modeling code does not read these
+    MEGATORCH_CHECK(!get_or<bool>(h, "attention_bias", false), "Llama import: attention_bias true is not "
+                    "supported (it also puts a bias on o_proj, which megatorch's bias-free Llama has not)");
+    MEGATORCH_CHECK(!get_or<bool>(h, "mlp_bias", false), "Llama import: mlp_bias true is not supported");
+  }
+  const double theta = rope_base(h, name);
+  const int64_t hidden = size_field(h, "hidden_size", 1), heads = size_field(h, "num_attention_heads", 1);
+  const int64_t groups = size_field_or(h, "num_key_value_heads", 1, heads);
+  check_heads(h, "hidden_size", "num_attention_heads", "num_key_value_heads");
+  const int64_t head_dim = size_field_or(h, "head_dim", 1, hidden / heads);
+  MEGATORCH_CHECK(head_dim * heads == hidden, name, " import: head_dim ", head_dim,
+                  " is not supported; megatorch's head dim is hidden_size / num_attention_heads = ", hidden, " / ",
+                  heads);
+  const int64_t layers = size_field(h, "num_hidden_layers", 1);
+  int64_t window = 0;
+  if (arch == HFArch::kMistral) window = size_field_or(h, "sliding_window", 0, 0);  // null: none
+  if (arch == HFArch::kQwen2) window = qwen2_window(h, layers);
+  const int64_t positions = size_field(h, "max_position_embeddings", 1);
+  c.hidden_size(hidden)
+      .num_attention_heads(heads)
+      .num_query_groups(groups)
+      .num_layers(layers)
+      .vocab_size(size_field(h, "vocab_size", 1))
+      .ffn_hidden_size(size_field(h, "intermediate_size", 1))
+      // The window is kept; sequences stay within it (validate() refuses longer ones).
+      .seq_length(window > 0 ? std::min(positions, window) : positions)
+      .max_position_embeddings(positions)
+      .sliding_window(window)
+      .norm_epsilon(get_or<double>(h, "rms_norm_eps", 1e-6))
+      .rotary_base(theta)
+      .init_std(get_or<double>(h, "initializer_range", 0.02))
+      .normalization(Normalization::kRMSNorm)
+      .activation(Activation::kSwiGLU)
+      .position_embedding_type(Positions::kRope)
+      .add_bias_linear(false)
+      .add_qkv_bias(arch == HFArch::kQwen2)
+      .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", false));
+  validate_imported(c, name);
+  return c;
+}
+
+json hf_config_from(const TransformerConfig& c, HFArch arch) {
+  MEGATORCH_CHECK(hf_arch_holds(arch, c), "HuggingFace export: the model cannot be written as ", to_string(arch),
+                  "; hf_arch_of(config) names the architecture that holds it");
+  if (arch == HFArch::kGPT2) {
+    return {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
+            {"vocab_size", c.vocab_size()},         {"n_positions", c.max_positions()},
+            {"n_embd", c.hidden_size()},            {"n_layer", c.num_layers()},
+            {"n_head", c.num_attention_heads()},    {"n_inner", c.ffn()},
+            {"activation_function", "gelu_new"},    {"layer_norm_epsilon", c.norm_epsilon()},
+            {"resid_pdrop", 0.0},                   {"embd_pdrop", 0.0},
+            {"attn_pdrop", 0.0},                    {"initializer_range", c.init_std()},
+            {"tie_word_embeddings", c.tie_embeddings()}, {"torch_dtype", "float32"}};
+  }
+  const char* cls = arch == HFArch::kLlama ? "LlamaForCausalLM"
+                    : arch == HFArch::kMistral ? "MistralForCausalLM" : "Qwen2ForCausalLM";
+  json j = {{"architectures", {cls}},
+            {"model_type", to_string(arch)},
+            {"vocab_size", c.vocab_size()},
+            {"hidden_size", c.hidden_size()},
+            {"intermediate_size", c.ffn()},
+            {"num_hidden_layers", c.num_layers()},
+            {"num_attention_heads", c.num_attention_heads()},
+            {"num_key_value_heads", c.query_groups()},
+            {"head_dim", c.head_dim()},
+            {"max_position_embeddings", c.max_positions()},
+            {"rms_norm_eps", c.norm_epsilon()},
+            {"rope_theta", c.rotary_base()},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rotary_base()}}},
+            {"hidden_act", "silu"},
+            {"attention_dropout", 0.0},
+            {"initializer_range", c.init_std()},
+            {"tie_word_embeddings", c.tie_embeddings()},
+            {"torch_dtype", "float32"}};
+  const json window = c.sliding_window() > 0 ? json(c.sliding_window()) : json(nullptr);
+  if (arch == HFArch::kLlama) {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+  } else if (arch == HFArch::kMistral) {
+    j["sliding_window"] = window;
+  } else {
+    // Qwen2: every layer slides (max_window_layers 0) or none does; layer_types says so
+    // explicitly, as transformers 5 writes it.
+    const bool slides = c.sliding_window() > 0;
+    j["use_sliding_window"] = slides;
+    j["sliding_window"] = window;
+    j["max_window_layers"] = slides ? 0 : c.num_layers();
+    j["layer_types"] = std::vector<std::string>(c.num_layers(), slides ? "sliding_attention" : "full_attention");
+  }
+  return j;
+}
+
+}  // namespace megatorch::ckpt
