@@ -15,7 +15,6 @@
 #include "megatorch/comm/group.h"
 #include "megatorch/pipeline/compute_timer.h"
 #include "megatorch/pipeline/p2p_batches.h"
-#include "megatorch/tp/cross_entropy.h"
 
 namespace megatorch::pipeline {
 namespace {
@@ -61,17 +60,16 @@ struct ChunkState {
 // order, one handler per kind of step, to one ChunkState per (micro-batch, chunk).
 class StepRun {
  public:
-  StepRun(PipelineStage& stage, const std::vector<MicroBatch>& mbs, const ExecutorOptions& options)
+  StepRun(Stage& stage, const std::vector<MicroBatch>& mbs, const ExecutorOptions& options)
       : stage_(stage),
         mbs_(mbs),
         options_(options),
-        p_(stage->pp_size()),
-        rank_(stage->pp_rank()),
-        v_(stage->num_chunks()),
+        p_(stage.pp_size()),
+        rank_(stage.pp_rank()),
+        v_(stage.num_chunks()),
         m_(static_cast<int64_t>(mbs.size())),
-        act_opts_(at::TensorOptions().dtype(stage->options.config().params_dtype()).device(
-            stage->options.config().device())),
-        timer_(act_opts_.device()) {}
+        device_(stage.device()),
+        timer_(device_) {}
 
   PipelineStepResult run() {
     MEGATORCH_CHECK(m_ >= 1, "pipeline: expected at least one micro-batch");
@@ -83,20 +81,10 @@ class StepRun {
                              : build_schedule(options_.schedule(), p_, m_, v_, rank_);
     backwards_left_ = std::count_if(actions.begin(), actions.end(),
                                     [](const Action& a) { return a.kind == ActionKind::kBackward; });
-    if (p_ > 1) pp_ = std::make_unique<comm::Group>(stage_->options.pp_group());
-    const auto& cfg = stage_->options.config();
-    for (int64_t i = 0; i < m_; ++i) {
-      // Shapes between stages come from the config: check the batch before any p2p.
-      MEGATORCH_CHECK(mbs_[i].ids.dim() == 2 && mbs_[i].ids.size(1) == cfg.seq_length() &&
-                          mbs_[i].ids.sizes() == mbs_[0].ids.sizes() && mbs_[i].labels.sizes() == mbs_[i].ids.sizes(),
-                      "pipeline: expected every micro-batch's ids and labels to be [b, ", cfg.seq_length(),
-                      "] with one b, got ids ", mbs_[i].ids.sizes(), " and labels ", mbs_[i].labels.sizes(),
-                      " for micro-batch ", i);
-    }
-    act_shape_ = stage_->activation_shape(mbs_[0].ids.size(0));
-    // A stashed micro-batch holds one [s, b, h] activation's worth for its backward.
-    act_bytes_ = static_cast<int64_t>(at::empty({0}, act_opts_).element_size());
-    for (int64_t d : act_shape_) act_bytes_ *= d;
+    if (p_ > 1) pp_ = std::make_unique<comm::Group>(stage_.pipeline_group());
+    // The stage refuses batches it cannot run and sizes what travels between stages,
+    // before any p2p.
+    stage_.prepare(mbs_);
 
     // Forward only builds no graph: nothing is kept for a backward.
     std::optional<at::NoGradGuard> no_grad;
@@ -129,10 +117,14 @@ class StepRun {
       op.tag = tag_of(a, rank_, p_, v_);
       switch (a.kind) {
         case ActionKind::kRecvActivation:
-        case ActionKind::kRecvGrad:
+        case ActionKind::kRecvGrad: {
+          // An activation comes from the virtual stage before ours; a gradient is of our output.
+          const int64_t vs = stage_.virtual_stage(a.chunk);
+          const ActivationSpec spec = stage_.activation_spec(a.kind == ActionKind::kRecvActivation ? vs - 1 : vs);
           op.kind = comm::P2POp::Kind::kRecv;
-          op.tensor = at::empty(act_shape_, act_opts_);
+          op.tensor = at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype).device(device_));
           break;
+        }
         case ActionKind::kSendActivation:
           op.tensor = chunks_.at(key_of(a)).output.detach();
           break;
@@ -151,7 +143,7 @@ class StepRun {
     // One Work per op where the backend does not coalesce (Gloo): a compute then waits
     // for its own receive only, not for the batch's sends to be taken up too.
     std::vector<Batch> works;
-    if (pp_->coalesces(act_opts_.device().type())) {
+    if (pp_->coalesces(device_.type())) {
       works.assign(ops.size(), std::make_shared<comm::Work>(pp_->batch_p2p(ops)));
     } else {
       for (const auto& op : ops) works.push_back(std::make_shared<comm::Work>(pp_->batch_p2p({op})));
@@ -174,12 +166,9 @@ class StepRun {
 
   void forward(const Action& a) {
     const bool keep_graph = !options_.forward_only();
-    models::GPTModel model = stage_->chunk(a.chunk);
     ChunkState& st = state(a);
-    at::Tensor input;
-    if (stage_->is_first_virtual_stage(a.chunk)) {
-      input = mbs_[a.microbatch].ids;
-    } else {
+    at::Tensor input;  // undefined on the first virtual stage, which reads the micro-batch
+    if (!stage_.is_first_virtual_stage(a.chunk)) {
       if (p_ == 1) {  // interleaved on one rank: the previous chunk's output, in place
         const Key prev{a.microbatch, a.chunk - 1};
         input = chunks_.at(prev).output.detach();
@@ -193,11 +182,11 @@ class StepRun {
     // Compute starts once the input is here: waiting on the receive is bubble, not work.
     const int64_t interval = timer_.start();
     timed_.push_back(a);
-    at::Tensor out = model->forward(input);
-    const bool last = stage_->is_last_virtual_stage(a.chunk);
+    const MicroBatch& mb = mbs_[a.microbatch];
+    at::Tensor out = stage_.forward_chunk(a.chunk, input, mb);
+    const bool last = stage_.is_last_virtual_stage(a.chunk);
     if (last) {
-      const at::Tensor& labels = mbs_[a.microbatch].labels;
-      const at::Tensor mb_loss = tp::masked_mean_loss(model->per_token_loss(out, labels), labels);
+      const at::Tensor mb_loss = stage_.micro_batch_loss(out, mb);
       loss_sum_ = loss_sum_.defined() ? loss_sum_ + mb_loss.detach() : mb_loss.detach();
       if (keep_graph) out = mb_loss / static_cast<double>(m_);  // micro-batch losses averaged
     }
@@ -205,7 +194,8 @@ class StepRun {
       st.output = out;
       stashed_ += 1;
       result_.peak_stashed = std::max(result_.peak_stashed, stashed_);
-      result_.peak_stashed_bytes = std::max(result_.peak_stashed_bytes, stashed_ * act_bytes_);
+      stashed_bytes_ += stash_bytes(a.chunk);
+      result_.peak_stashed_bytes = std::max(result_.peak_stashed_bytes, stashed_bytes_);
     } else if (last) {
       chunks_.erase(key_of(a));  // the loss is all forward-only keeps of the last stage
     } else {
@@ -219,7 +209,7 @@ class StepRun {
     ChunkState& st = chunks_.at(key_of(a));
     if (options_.before_backward()) options_.before_backward()(--backwards_left_ == 0);
     at::Tensor grad;
-    if (stage_->is_last_virtual_stage(a.chunk)) {
+    if (stage_.is_last_virtual_stage(a.chunk)) {
       grad = at::full_like(st.output, options_.loss_scale());
     } else if (p_ == 1) {  // interleaved on one rank: the next chunk's input gradient
       grad = chunks_.at({a.microbatch, a.chunk + 1}).input.grad();
@@ -231,6 +221,7 @@ class StepRun {
     backward_from(st.output, grad);
     timer_.stop(interval);
     stashed_ -= 1;
+    stashed_bytes_ -= stash_bytes(a.chunk);
     st.output = at::Tensor();
   }
 
@@ -275,16 +266,25 @@ class StepRun {
     return std::move(result_);
   }
 
+  // What a stashed micro-batch is counted as: the activation its chunk exchanges (its
+  // output; the last virtual stage's input). A single stage exchanges none.
+  int64_t stash_bytes(int64_t chunk) const {
+    const int64_t stages = p_ * v_;
+    if (stages == 1) return 0;
+    const ActivationSpec spec = stage_.activation_spec(std::min(stage_.virtual_stage(chunk), stages - 2));
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(spec.dtype));
+    for (int64_t d : spec.shape) bytes *= d;
+    return bytes;
+  }
+
   static Key key_of(const Action& a) { return {a.microbatch, a.chunk}; }
   ChunkState& state(const Action& a) { return chunks_[key_of(a)]; }
 
-  PipelineStage& stage_;
+  Stage& stage_;
   const std::vector<MicroBatch>& mbs_;
   const ExecutorOptions& options_;
   const int64_t p_, rank_, v_, m_;
-  const at::TensorOptions act_opts_;
-  std::vector<int64_t> act_shape_;
-  int64_t act_bytes_ = 0;
+  const c10::Device device_;
   std::unique_ptr<comm::Group> pp_;
   std::map<Key, ChunkState> chunks_;
   std::vector<Batch> batches_;                        // all of them, waited at the end of the step
@@ -292,6 +292,7 @@ class StepRun {
   at::Tensor loss_sum_;
   int64_t backwards_left_ = 0;
   int64_t stashed_ = 0;  // outputs held for a backward
+  int64_t stashed_bytes_ = 0;
   // Monotonic-clock seconds (one clock for every process of a machine, so the ranks'
   // timelines line up when gathered); device events on a GPU (compute_timer.h).
   ComputeTimer timer_;
@@ -301,8 +302,7 @@ class StepRun {
 
 }  // namespace
 
-PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& mbs,
-                                     const ExecutorOptions& options) {
+PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>& mbs, const ExecutorOptions& options) {
   return StepRun(stage, mbs, options).run();
 }
 

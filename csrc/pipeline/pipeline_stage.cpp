@@ -6,6 +6,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/tp_group.h"
 
 namespace megatorch::pipeline {
@@ -69,40 +70,53 @@ void PipelineStageImpl::reset() {
                                            .post_process(s == pp_size_ * v - 1)
                                            .rng(rng)));
   }
+  // Tied embeddings: the embedding (virtual stage 0) and the head's copy of it (the last
+  // virtual stage) are one tie when they are two tensors.
+  std::vector<TiedCopy> copies;
+  if (c.tie_embeddings() && pp_size_ * v > 1) {
+    if (pp_rank_ == 0) copies.push_back({"embedding.weight", 0, chunk(0)->embedding->weight});
+    if (pp_rank_ == pp_size_ - 1) copies.push_back({"embedding.weight", v - 1, chunk(v - 1)->output_layer});
+  }
+  ties_ = TiedParameters(std::move(copies), options.pp_group(), v);
+}
+
+void PipelineStageImpl::prepare(const std::vector<MicroBatch>& mbs) {
+  const auto& cfg = options.config();
+  MEGATORCH_CHECK(!mbs.empty(), "pipeline: expected at least one micro-batch");
+  for (size_t i = 0; i < mbs.size(); ++i) {
+    // Shapes between stages come from the config: check the batch before any p2p.
+    MEGATORCH_CHECK(mbs[i].ids.defined() && mbs[i].labels.defined() && mbs[i].ids.dim() == 2 &&
+                        mbs[i].ids.size(1) == cfg.seq_length() && mbs[i].ids.sizes() == mbs[0].ids.sizes() &&
+                        mbs[i].labels.sizes() == mbs[i].ids.sizes(),
+                    "pipeline: expected every micro-batch's ids and labels to be [b, ", cfg.seq_length(),
+                    "] with one b, got ids ", mbs[i].ids.defined() ? mbs[i].ids.sizes() : at::IntArrayRef{},
+                    " and labels ", mbs[i].labels.defined() ? mbs[i].labels.sizes() : at::IntArrayRef{},
+                    " for micro-batch ", i);
+  }
+  micro_batch_size_ = mbs[0].ids.size(0);
+}
+
+ActivationSpec PipelineStageImpl::activation_spec(int64_t) const {
+  return {activation_shape(micro_batch_size_), options.config().params_dtype()};
+}
+
+at::Tensor PipelineStageImpl::forward_chunk(int64_t c, const at::Tensor& input, const MicroBatch& mb) {
+  return chunk(c)->forward(input.defined() ? input : mb.ids);
+}
+
+at::Tensor PipelineStageImpl::micro_batch_loss(const at::Tensor& output, const MicroBatch& mb) {
+  return tp::masked_mean_loss(chunk(num_chunks() - 1)->per_token_loss(output, mb.labels), mb.labels);
+}
+
+void PipelineStageImpl::set_unit_hooks(int64_t c, std::shared_ptr<models::UnitHooks> hooks, int64_t first_unit,
+                                       int64_t) {
+  chunk(c)->set_unit_hooks(std::move(hooks), first_unit);
 }
 
 std::vector<int64_t> PipelineStageImpl::activation_shape(int64_t micro_batch_size) const {
   const auto& c = options.config();
   const int64_t tp = tp::tp_info(options.tp_group()).size;
   return {c.sequence_parallel() ? c.seq_length() / tp : c.seq_length(), micro_batch_size, c.hidden_size()};
-}
-
-void PipelineStageImpl::allreduce_tied_embedding_grads() {
-  const auto& c = options.config();
-  if (!c.tie_embeddings() || (pp_size_ == 1 && num_chunks() == 1)) return;
-  if (pp_size_ == 1) {  // first and last virtual stage on this rank: sum in place
-    at::Tensor a = chunk(0)->embedding->weight, b = chunk(num_chunks() - 1)->output_layer;
-    if (!a.grad().defined()) a.mutable_grad() = at::zeros_like(a);
-    if (!b.grad().defined()) b.mutable_grad() = at::zeros_like(b);
-    const at::Tensor sum = a.grad() + b.grad();
-    a.mutable_grad().copy_(sum);
-    b.mutable_grad().copy_(sum);
-    return;
-  }
-  comm::Group pp(options.pp_group());
-  if (pp_rank_ == 0) {
-    at::Tensor w = chunk(0)->embedding->weight;
-    if (!w.grad().defined()) w.mutable_grad() = at::zeros_like(w);
-    at::Tensor other = at::empty_like(w.grad());
-    pp.recv(other, pp_size_ - 1);
-    w.mutable_grad().add_(other);
-    pp.send(w.grad(), pp_size_ - 1);
-  } else if (pp_rank_ == pp_size_ - 1) {
-    at::Tensor w = chunk(num_chunks() - 1)->output_layer;
-    if (!w.grad().defined()) w.mutable_grad() = at::zeros_like(w);
-    pp.send(w.grad(), 0);
-    pp.recv(w.mutable_grad(), 0);
-  }
 }
 
 void PipelineStageImpl::allreduce_sequence_parallel_grads() {

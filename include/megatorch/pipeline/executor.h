@@ -1,36 +1,35 @@
 #pragma once
-#include <functional>
-// Runs a schedule's action list on this pipeline rank: non-blocking p2p over the PP
-// group (shapes known from the config) posted in the batches of p2p_batches.h (one NCCL
+// Runs a schedule's action list on this pipeline rank, for any pipeline::Stage (GPT's
+// PipelineStage, a ModuleStage of the user's chunks): non-blocking p2p over the PP group
+// (buffers sized from the stage's activation specs) posted in the batches of p2p_batches.h (one NCCL
 // group each, so NCCL's in-order pairing cannot deadlock), micro-batch losses averaged,
 // gradients accumulated, each stage output freed once sent (Megatron's deallocation:
 // only its autograd graph is kept). Records a timestamp per compute action for the timeline and
 // the measured bubble, and the peak activations stashed for backward. Forward only
 // (evaluation) runs the schedule's forwards through the same p2p, without autograd.
 #include <ATen/Tensor.h>
+#include <torch/nn/pimpl.h>
 
+#include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "megatorch/pipeline/pipeline_stage.h"
 #include "megatorch/pipeline/schedule.h"
+#include "megatorch/pipeline/stage.h"
 #include "megatorch/pipeline/timeline_svg.h"
 
 namespace megatorch::pipeline {
 
-struct MicroBatch {
-  at::Tensor ids;     // [b, s] token ids (read by the first stage)
-  at::Tensor labels;  // [b, s] targets (read by the last stage)
-};
-
 struct PipelineStepResult {
-  // Mean over micro-batches of each micro-batch's mean loss over its non-ignored tokens
-  // (tp::masked_mean_loss); defined on the last pipeline rank only (undefined elsewhere).
+  // Mean over micro-batches of each micro-batch's loss (Stage::micro_batch_loss; GPT: the
+  // mean over its non-ignored tokens); defined on the last pipeline rank only.
   at::Tensor loss;
   std::vector<TimelineRecord> timeline;  // this rank's compute actions, monotonic-clock seconds
   double busy_s = 0;                     // time in compute actions
   double makespan_s = 0;                 // start to the last action's end
   int64_t peak_stashed = 0;              // activations held for backward, at most at once (0 forward only)
-  int64_t peak_stashed_bytes = 0;        // their bytes: one [s, b, h] activation each
+  int64_t peak_stashed_bytes = 0;        // their bytes: the activation each one's chunk exchanges
 };
 
 struct ExecutorOptions {
@@ -51,8 +50,14 @@ struct ExecutorOptions {
 
 // One training step's forward and backward over all micro-batches (no optimizer step),
 // or with forward_only the forwards alone (evaluation).
-PipelineStepResult run_pipeline_step(PipelineStage& stage, const std::vector<MicroBatch>& micro_batches,
+PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>& micro_batches,
                                      const ExecutorOptions& options = {});
+// The same for a module holder of a stage (PipelineStage, ModuleStage).
+template <typename Impl, typename = std::enable_if_t<std::is_base_of_v<Stage, Impl>>>
+PipelineStepResult run_pipeline_step(torch::nn::ModuleHolder<Impl>& stage, const std::vector<MicroBatch>& micro_batches,
+                                     const ExecutorOptions& options = {}) {
+  return run_pipeline_step(static_cast<Stage&>(*stage), micro_batches, options);
+}
 
 // Every pipeline rank's timeline on every rank (a collective over the PP group), with
 // the time shifted to start at 0 and `rank` set to the pipeline rank.

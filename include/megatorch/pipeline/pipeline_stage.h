@@ -1,8 +1,11 @@
 #pragma once
-// PipelineStage: this pipeline rank's model chunks. With p stages and v virtual chunks
-// per stage, virtual stage s = chunk·p + rank owns a contiguous range of GPT layers;
-// virtual stage 0 also owns the embedding, the last one the final norm, the head and
-// the loss. Layers split evenly, or by an explicit list of per-virtual-stage counts.
+// PipelineStage: this pipeline rank's chunks of a GPT, the GPT's pipeline::Stage. With p
+// stages and v virtual chunks per stage, virtual stage s = chunk·p + rank owns a
+// contiguous range of GPT layers; virtual stage 0 also owns the embedding, the last one
+// the final norm, the head and the loss. Layers split evenly, or by an explicit list of
+// per-virtual-stage counts. Micro-batches carry `ids` and `labels` [b, seq_length]; the
+// activation is [s, b, h] ([s/tp, b, h] under SP) in the parameters' dtype; the tied
+// embedding's two copies are one TiedParameters tie.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -11,6 +14,8 @@
 #include <vector>
 
 #include "megatorch/models/gpt_model.h"
+#include "megatorch/pipeline/stage.h"
+#include "megatorch/pipeline/tied_parameters.h"
 
 namespace megatorch::pipeline {
 
@@ -27,31 +32,47 @@ struct PipelineStageOptions {
   TORCH_ARG(std::vector<int64_t>, layer_split) = {};  // empty: even split
 };
 
-class PipelineStageImpl : public torch::nn::Cloneable<PipelineStageImpl> {
+class PipelineStageImpl : public torch::nn::Cloneable<PipelineStageImpl>, public Stage {
  public:
   explicit PipelineStageImpl(PipelineStageOptions options);
   void reset() override;
 
-  int64_t pp_rank() const { return pp_rank_; }
-  int64_t pp_size() const { return pp_size_; }
-  int64_t num_chunks() const { return options.virtual_chunks(); }
+  int64_t pp_rank() const override { return pp_rank_; }
+  int64_t pp_size() const override { return pp_size_; }
+  int64_t num_chunks() const override { return options.virtual_chunks(); }
+  const std::string& pipeline_group() const override { return options.pp_group(); }
+  c10::Device device() const override { return options.config().device(); }
   models::GPTModel chunk(int64_t c) const { return chunks->ptr<models::GPTModelImpl>(c); }
-  bool is_first_virtual_stage(int64_t c) const { return c == 0 && pp_rank_ == 0; }
-  bool is_last_virtual_stage(int64_t c) const { return c == num_chunks() - 1 && pp_rank_ == pp_size_ - 1; }
   // The [s, b, h] (or [s/tp, b, h] under SP) shape passed between stages.
   std::vector<int64_t> activation_shape(int64_t micro_batch_size) const;
 
+  // Checks ids and labels ([b, seq_length], one b) before any p2p.
+  void prepare(const std::vector<MicroBatch>& micro_batches) override;
+  ActivationSpec activation_spec(int64_t virtual_stage) const override;
+  at::Tensor forward_chunk(int64_t chunk, const at::Tensor& input, const MicroBatch& micro_batch) override;
+  // tp::masked_mean_loss of the vocab-parallel cross entropy: the mean over non-ignored tokens.
+  at::Tensor micro_batch_loss(const at::Tensor& output, const MicroBatch& micro_batch) override;
+
   // Tied embeddings across stages: the first stage's embedding and the last stage's copy
   // of it get the sum of both gradients (a p2p exchange between pp ranks 0 and p-1).
-  void allreduce_tied_embedding_grads();
+  void allreduce_tied_embedding_grads() { allreduce_tied_grads(); }
+  void allreduce_tied_grads() override { ties_.allreduce_grads(); }
+  const TiedParameters& ties() const { return ties_; }
   // Under SP, each chunk's partial gradients summed over the TP group.
-  void allreduce_sequence_parallel_grads();
+  void allreduce_sequence_parallel_grads() override;
+  void set_unit_hooks(int64_t chunk, std::shared_ptr<models::UnitHooks> hooks, int64_t first_unit,
+                      int64_t last_unit) override;
+  torch::nn::Module& stage_module() override { return *this; }
+  std::shared_ptr<torch::nn::Module> chunk_module(int64_t c) const override { return chunks->ptr(c); }
+  std::shared_ptr<tp::RngTracker> rng_tracker() const override { return chunk(0)->options.rng(); }
 
   PipelineStageOptions options;
   torch::nn::ModuleList chunks{nullptr};
 
  private:
   int64_t pp_rank_ = 0, pp_size_ = 1;
+  int64_t micro_batch_size_ = 0;  // of the step prepare() saw
+  TiedParameters ties_;
 };
 TORCH_MODULE(PipelineStage);
 

@@ -1,37 +1,19 @@
 #pragma once
-// The training loop behind gpt_pretrain: a ParallelState from the torchrun environment,
-// this rank's pipeline stage of the GPT, the ZeRO DistributedOptimizer over the DP group,
-// Megatron-compatible data, and per iteration: the schedule's forward and backward over
-// the micro-batches, gradient finalisation (SP partial sums, tied embeddings), the
-// optimizer step with the LR schedule, Megatron-style logs, evaluation and checkpoints.
-#include <nlohmann/json.hpp>
-
-#include <fstream>
+// The GPT program behind gpt_pretrain, on train::TrainingLoop: Megatron's flags turned
+// into the loop's options, this rank's pipeline stage of the GPT, Megatron-compatible
+// data as the loop's batch source, the tokenizer and dataset checks, and the model
+// configuration saved with (and compared against) checkpoints.
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "megatorch/ckpt/sharded_entry.h"
 #include "megatorch/data/gpt_datasets.h"
-#include "megatorch/optim/distributed_optimizer.h"
-#include "megatorch/parallel/parallel_state.h"
-#include "megatorch/pipeline/executor.h"
 #include "megatorch/pipeline/pipeline_stage.h"
 #include "megatorch/train/arguments.h"
 #include "megatorch/train/batch_loader.h"
-#include "megatorch/train/lr_schedule.h"
+#include "megatorch/train/training_loop.h"
 
 namespace megatorch::train {
-
-struct IterationStats {
-  int64_t iteration = 0;
-  double loss = 0;  // global mean over the batch (every rank)
-  double lr = 0;
-  double grad_norm = 0;
-  double loss_scale = 1;
-  bool skipped = false;
-  double seconds = 0;
-};
 
 class Trainer {
  public:
@@ -39,7 +21,8 @@ class Trainer {
   ~Trainer();
 
   // Runs from the current iteration to --train-iters (evaluating, logging and saving on
-  // their intervals; the last iteration always evaluates and, with --save, saves). Returns the last iteration's stats.
+  // their intervals; the last iteration always evaluates and, with --save, saves); with
+  // --eval-only evaluates the loaded checkpoint. Returns the last iteration's stats.
   IterationStats train();
   IterationStats train_step();
   // Mean loss over `iters` global batches of a split (every rank gets it): each batch's
@@ -47,40 +30,28 @@ class Trainer {
   // averaged over its non-ignored tokens, as in training.
   double evaluate(data::Split split, int64_t iters);
 
-  void save_checkpoint();
+  void save_checkpoint() { loop_->save_checkpoint(); }
   // Loads --load (any layout); false when it holds no checkpoint yet.
-  bool load_checkpoint();
+  bool load_checkpoint() { return loop_->load_checkpoint(); }
 
-  int64_t iteration() const { return iteration_; }
+  int64_t iteration() const { return loop_->iteration(); }
   const TrainArguments& args() const { return args_; }
-  const parallel::ParallelState& parallel_state() const { return *state_; }
+  const parallel::ParallelState& parallel_state() const { return loop_->parallel_state(); }
   pipeline::PipelineStage& stage() { return stage_; }
-  optim::DistributedOptimizer& optimizer() { return *optimizer_; }
-  bool is_logging_rank() const;
+  optim::DistributedOptimizer& optimizer() { return loop_->optimizer(); }
+  TrainingLoop& loop() { return *loop_; }
+  bool is_logging_rank() const { return loop_->is_logging_rank(); }
 
  private:
   MicroBatchLoaderOptions loader_options() const;
-  std::vector<models::GPTModel> chunks() const;
-  std::vector<ckpt::ShardedEntry> checkpoint_entries();
-  double reduce_loss(double local_loss_on_last_stage);
-  void log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes, double tokens_per_s,
-           double tflops);
+  BatchSource eval_source(data::Split split) const;
 
   TrainArguments args_;
-  std::unique_ptr<parallel::ParallelState> state_;
+  std::unique_ptr<TrainingLoop> loop_;
   pipeline::PipelineStage stage_{nullptr};
-  std::shared_ptr<optim::DynamicLossScaler> scaler_;
-  std::unique_ptr<optim::DistributedOptimizer> optimizer_;
   data::GPTDatasets data_;
   std::unique_ptr<MicroBatchLoader> train_batches_;
-  LRSchedule lr_;
-  int64_t iteration_ = 0;
   int64_t eod_ = -1;  // the tokenizer's end-of-document id (logged)
-  int64_t lr_step_ = 0;  // iterations whose update was applied: the LR schedule's clock, as Megatron's
-  int64_t num_parameters_ = 0;  // whole model, each parameter once
-  double flops_per_token_ = 0;
-  std::ofstream json_;
-  double last_val_loss_ = -1;
 };
 
 }  // namespace megatorch::train

@@ -1,0 +1,448 @@
+#include "megatorch/train/training_loop.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "megatorch/check.h"
+#include "megatorch/ckpt/checkpoint.h"
+#include "megatorch/ckpt/module_checkpoint.h"
+#include "megatorch/comm/comm_stats.h"
+#include "megatorch/comm/group.h"
+#include "megatorch/pipeline/timeline_svg.h"
+#include "megatorch/train/device_memory.h"
+
+namespace megatorch::train {
+namespace {
+
+using parallel::GroupKind;
+using Clock = std::chrono::steady_clock;
+
+int64_t resident_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t pages = 0, rss = 0;
+  f >> pages >> rss;
+  return rss * 4096;
+}
+
+// Generator states as JSON-able bytes and back (they are small uint8 tensors).
+std::vector<uint8_t> state_bytes(const at::Tensor& state) {
+  const at::Tensor s = state.contiguous();
+  return {s.data_ptr<uint8_t>(), s.data_ptr<uint8_t>() + s.numel()};
+}
+at::Tensor state_tensor(const nlohmann::json& bytes) { return at::tensor(bytes.get<std::vector<uint8_t>>()).to(at::kByte); }
+
+std::string human(double bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1);
+  if (bytes >= 1 << 30) {
+    o << bytes / (1 << 30) << " GiB";
+  } else {
+    o << bytes / (1 << 20) << " MiB";
+  }
+  return o.str();
+}
+
+}  // namespace
+
+TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(options)) {
+  const auto& o = options_;
+  MEGATORCH_CHECK(o.train_iters() >= 0 && o.micro_batch_size() >= 1 && o.num_micro_batches() >= 1 &&
+                      o.virtual_chunks() >= 1 && o.log_interval() >= 1 && o.eval_iters() >= 0,
+                  "TrainingLoop: expected train_iters >= 0, micro_batch_size, num_micro_batches, virtual_chunks and "
+                  "log_interval >= 1 and eval_iters >= 0, got ", o.train_iters(), ", ", o.micro_batch_size(), ", ",
+                  o.num_micro_batches(), ", ", o.virtual_chunks(), ", ", o.log_interval(), ", ", o.eval_iters());
+  MEGATORCH_CHECK(o.zero_stage() >= 0 && o.zero_stage() <= 3, "TrainingLoop: expected zero_stage in 0..3, got ",
+                  o.zero_stage());
+  pipeline::parse_schedule_kind(o.schedule());  // names the schedules when unknown
+  MEGATORCH_CHECK(o.virtual_chunks() == 1 || o.schedule() == "interleaved", "TrainingLoop: virtual_chunks ",
+                  o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
+  auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())
+                    .name(o.name())
+                    .device(o.device())
+                    .backend(o.backend());
+  if (o.timeout().count() > 0 && !std::getenv("MEGATORCH_COMM_TIMEOUT_S")) pstate.timeout(o.timeout());
+  state_ = std::make_unique<parallel::ParallelState>(pstate);
+  at::manual_seed(o.seed());
+  lr_ = LRSchedule{o.lr(), o.min_lr(), o.lr_warmup_iters(), o.lr_decay_iters() > 0 ? o.lr_decay_iters() : o.train_iters(),
+                   o.lr_decay_style()};
+}
+
+TrainingLoop::~TrainingLoop() = default;
+
+std::string TrainingLoop::tp_group() const { return state_->group_name(GroupKind::kTensor); }
+std::string TrainingLoop::pp_group() const {
+  return state_->pp_size() > 1 ? state_->group_name(GroupKind::kPipeline) : "";
+}
+std::string TrainingLoop::dp_group() const { return state_->group_name(GroupKind::kData); }
+int64_t TrainingLoop::dp_rank() const { return state_->dp_rank(); }
+int64_t TrainingLoop::dp_size() const { return state_->dp_size(); }
+c10::Device TrainingLoop::device() const { return state_->device(); }
+bool TrainingLoop::is_logging_rank() const { return state_->rank() == state_->world_size() - 1; }
+
+void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const ParameterGroupingOptions& grouping) {
+  MEGATORCH_CHECK(stage != nullptr, "TrainingLoop::set_model: expected a stage, got null");
+  MEGATORCH_CHECK(!stage_, "TrainingLoop::set_model: the model is set once per loop");
+  MEGATORCH_CHECK(stage->pp_size() == state_->pp_size() && stage->num_chunks() == options_.virtual_chunks(),
+                  "TrainingLoop::set_model: the loop runs pipeline size ", state_->pp_size(), " with ",
+                  options_.virtual_chunks(), " chunks per rank, but the stage has ", stage->pp_size(), " and ",
+                  stage->num_chunks(), "; build it on loop.pp_group() with virtual_chunks() chunks");
+  stage_ = std::move(stage);
+  const auto& o = options_;
+  if (o.fp16()) {
+    scaler_ = std::make_shared<optim::DynamicLossScaler>(optim::LossScalerOptions()
+                                                             .initial_scale(o.initial_loss_scale())
+                                                             .growth_interval(o.loss_scale_window())
+                                                             .hysteresis(o.hysteresis()));
+  }
+  ParameterGroupingOptions g = grouping;
+  if (g.tp_group().empty()) g.tp_group(tp_group());
+  params_ = stage_parameters(*stage_, g);
+  // Ties the optimizer cannot sum (several copies on one rank) are summed on .grad after
+  // the schedule, so there the reduction must wait for them.
+  optimizer_sums_ties_ = optimizer_sums_ties(*stage_);
+  std::vector<std::string> model_groups{tp_group()};
+  if (state_->pp_size() > 1) model_groups.push_back(pp_group());
+  optimizer_ = std::make_unique<optim::DistributedOptimizer>(
+      params_.units, dp_group(),
+      optim::DistributedOptimizerOptions()
+          .zero_stage(o.zero_stage())
+          .lr(o.lr())
+          .beta1(o.adam_beta1())
+          .beta2(o.adam_beta2())
+          .eps(o.adam_eps())
+          .weight_decay(o.weight_decay())
+          .clip_grad(o.clip_grad())
+          .loss_scaler(scaler_)
+          .model_parallel_groups(model_groups)
+          // SP's partial sums and two-copy ties are added by the optimizer after its DP
+          // reduction (ParamInfo::grad_sum_group), so the reduction overlaps backward.
+          .overlap_grad_reduce(optimizer_sums_ties_)
+          // The forward's unit hooks (below) wait for each unit's gathers.
+          .overlap_param_gather(true),
+      params_.info);
+  attach_stage_unit_hooks(*stage_, params_, *optimizer_);
+  // The whole model's size, each parameter once (PaLM's FLOPs count uses it).
+  at::Tensor count = at::zeros({1}, at::kDouble);
+  for (size_t i = 0; i < params_.info.size(); ++i) {
+    if (params_.info[i].counted_in_norm) count += static_cast<double>(optimizer_->parameters()[i].numel());
+  }
+  comm::Group(tp_group()).all_reduce(count);
+  if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(count);
+  num_parameters_ = static_cast<int64_t>(count.item<double>());
+  if (!o.load().empty()) load_checkpoint();
+  // A resumed run appends to the log of the run it continues.
+  if (is_logging_rank() && !o.log_json().empty()) {
+    json_.open(o.log_json(), iteration_ > 0 ? std::ios::app : std::ios::trunc);
+    MEGATORCH_CHECK(json_.is_open(), "cannot open the log_json file '", o.log_json(), "': ", std::strerror(errno),
+                    "; check that its directory exists and is writable");
+  }
+}
+
+// Mean of the last stage's loss over DP, made known on every rank.
+double TrainingLoop::reduce_loss(const at::Tensor& loss) {
+  const bool last = state_->pp_rank() == state_->pp_size() - 1;
+  at::Tensor l = at::tensor({last && loss.defined() ? loss.item<double>() : 0.0}, at::kDouble);
+  if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(l);
+  comm::Group(dp_group()).all_reduce(l);
+  return l.item<double>() / static_cast<double>(state_->dp_size());
+}
+
+IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>& mbs) {
+  MEGATORCH_CHECK(stage_ != nullptr, "TrainingLoop: call set_model(stage) before training");
+  MEGATORCH_CHECK(static_cast<int64_t>(mbs.size()) == options_.num_micro_batches(), "TrainingLoop: expected ",
+                  options_.num_micro_batches(), " micro-batches per step and DP rank (num_micro_batches), got ",
+                  mbs.size());
+  const auto start = Clock::now();
+  comm::reset_comm_stats();
+  IterationStats s;
+  s.iteration = iteration_ + 1;
+  s.lr = lr_.at(lr_step_);
+  optimizer_->set_lr(s.lr);
+  stage_->stage_module().train();
+  optimizer_->zero_grad();
+  auto* opt = optimizer_.get();
+  const auto result = pipeline::run_pipeline_step(
+      *stage_, mbs,
+      pipeline::ExecutorOptions()
+          .schedule(pipeline::parse_schedule_kind(options_.schedule()))
+          .loss_scale(scaler_ ? scaler_->scale() : 1.0)
+          .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
+  // (SP's partial sums and two-copy ties: the optimizer adds them.)
+  if (!optimizer_sums_ties_) stage_->allreduce_tied_grads();
+  s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  s.skipped = !optimizer_->step();
+  // A skipped step computed no norm worth reporting (Megatron logs none).
+  s.grad_norm = s.skipped ? std::nan("") : optimizer_->grad_norm();
+  if (!s.skipped) ++lr_step_;
+  s.loss = reduce_loss(result.loss);
+  ++iteration_;
+  s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!options_.timeline().empty() && iteration_ == std::min<int64_t>(2, options_.train_iters())) {
+    const auto records = pipeline::gather_timeline(result, state_->pp_size() > 1 ? pp_group() : tp_group());
+    if (is_logging_rank()) {
+      pipeline::TimelineSvgOptions t;
+      t.title = options_.name() + " iteration " + std::to_string(iteration_) + ": " + options_.schedule() +
+                ", p=" + std::to_string(state_->pp_size()) + ", m=" + std::to_string(options_.num_micro_batches());
+      pipeline::write_timeline_svg(options_.timeline(), records, t);
+    }
+  }
+  return s;
+}
+
+void TrainingLoop::write_log_json(const nlohmann::json& record) {
+  if (!json_.is_open()) return;
+  json_ << record.dump() << "\n";
+  json_.flush();
+  // An append-only log is not renamed into place, but a lost line (a full disk) must
+  // stop the run rather than leave a silently truncated log.
+  MEGATORCH_CHECK(json_.good(), "writing the log_json file '", options_.log_json(), "' failed: ", std::strerror(errno),
+                  "; free space (or raise the file size limit) and resume from the last checkpoint");
+}
+
+int64_t TrainingLoop::global_batch_size() const {
+  return options_.micro_batch_size() * options_.num_micro_batches() * state_->dp_size();
+}
+
+void TrainingLoop::log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes) {
+  if (!is_logging_rank()) return;
+  const int64_t gbs = global_batch_size();
+  const double tokens_per_s = static_cast<double>(gbs * options_.tokens_per_sample()) / s.seconds;
+  const double flops_per_token = options_.flops_per_token() ? options_.flops_per_token()(num_parameters_) : 0.0;
+  const double tflops = tokens_per_s * flops_per_token / static_cast<double>(state_->world_size()) / 1e12;
+  const auto mem = optimizer_->memory_stats();
+  const int64_t rss = resident_bytes();
+  const auto device_mem = device_memory_stats(state_->device());
+  // The host's resident set on CPU; the allocator's peak on a GPU.
+  const double shown = device_mem.empty() ? rss : device_mem.at("cuda_max_allocated_bytes");
+  if (json_.is_open()) {
+    nlohmann::json j{{"iteration", s.iteration},   {"loss", s.loss},
+                     {"lr", s.lr},                 {"grad_norm", s.grad_norm},
+                     {"loss_scale", s.loss_scale}, {"skipped", s.skipped},
+                     {"tokens_per_s", tokens_per_s}, {"tflops_per_rank", tflops},
+                     {"ms_per_iteration", s.seconds * 1e3}, {"consumed_samples", s.iteration * gbs},
+                     {"comm_bytes", comm_bytes}};
+    nlohmann::json memory(mem);
+    memory["rss_bytes"] = rss;
+    for (const auto& [k, v] : device_mem) memory[k] = v;
+    j["memory_bytes"] = memory;
+    if (last_val_loss_ >= 0) j["val_loss"] = last_val_loss_;
+    write_log_json(j);
+  }
+  const int64_t iters = options_.train_iters();
+  if (s.iteration % options_.log_interval() == 0 || s.iteration == iters) {
+    std::printf("\r [%s] iteration %6ld/%6ld | consumed samples: %9ld | elapsed time per iteration (ms): %.1f | "
+                "learning rate: %.3E | %s: %.6E | loss scale: %.1f | grad norm: %.3f | skipped: %d | "
+                "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)\n",
+                "megatorch", s.iteration, iters, s.iteration * gbs, s.seconds * 1e3, s.lr,
+                options_.loss_name().c_str(), s.loss, s.loss_scale, s.grad_norm, s.skipped ? 1 : 0, tokens_per_s,
+                tflops, human(shown).c_str(), human(mem.at("total_bytes")).c_str());
+  } else {
+    std::printf("\r  iteration %ld/%ld  loss %.4f  %.0f ms ", s.iteration, iters, s.loss, s.seconds * 1e3);
+  }
+  std::fflush(stdout);
+}
+
+IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& valid) {
+  MEGATORCH_CHECK(train != nullptr, "TrainingLoop::train: expected a batch source");
+  IterationStats last;
+  const int64_t first = iteration_, iters = options_.train_iters();
+  while (iteration_ < iters) {
+    last = train_step(train(iteration_));
+    // Megatron's memory report: once, after the run's first iteration, from every rank of
+    // the first DP replica (the others hold the same).
+    if (iteration_ == first + 1 && state_->dp_rank() == 0) {
+      const std::string memory = device_memory_line(device_memory_stats(state_->device()));
+      if (!memory.empty()) std::printf("\n[Rank %ld] (after %ld iterations) %s\n", state_->rank(), iteration_, memory.c_str());
+      std::fflush(stdout);
+    }
+    std::map<std::string, int64_t> comm_bytes;
+    for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kData, "dp"}, {GroupKind::kPipeline, "pp"}}) {
+      comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
+    }
+    const bool eval_now = options_.eval_interval() > 0 && iteration_ % options_.eval_interval() == 0;
+    const bool evaluated = valid && (eval_now || iteration_ == iters);
+    if (evaluated) last_val_loss_ = evaluate(valid, options_.eval_iters());
+    log(last, comm_bytes);
+    // A negative loss means nothing was evaluated (eval_iters 0, or a split too small).
+    if (evaluated && last_val_loss_ >= 0 && is_logging_rank()) {
+      const bool progress_line_open = iteration_ % options_.log_interval() != 0 && iteration_ != iters;
+      if (progress_line_open) std::printf("\n");
+      log_validation();
+    }
+    if (on_iteration) on_iteration(last);
+    if (!options_.save().empty() &&
+        ((options_.save_interval() > 0 && iteration_ % options_.save_interval() == 0) || iteration_ == iters)) {
+      save_checkpoint();
+    }
+    last_val_loss_ = -1;
+  }
+  return last;
+}
+
+void TrainingLoop::log_validation() {
+  const std::string& name = options_.loss_name();
+  std::printf(" validation loss at iteration %ld | %s value: %.6E", iteration_, name.c_str(), last_val_loss_);
+  if (options_.log_perplexity()) std::printf(" | %s PPL: %.3f", name.c_str(), std::exp(last_val_loss_));
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+double TrainingLoop::evaluate(const BatchSource& source, int64_t iters) {
+  MEGATORCH_CHECK(stage_ != nullptr, "TrainingLoop: call set_model(stage) before evaluating");
+  if (iters == 0 || !source) return -1;
+  stage_->stage_module().eval();
+  double total = 0;
+  // The training schedule's forwards through the executor's p2p (Megatron's forward_only).
+  const auto options =
+      pipeline::ExecutorOptions().schedule(pipeline::parse_schedule_kind(options_.schedule())).forward_only(true);
+  for (int64_t i = 0; i < iters; ++i) {
+    const auto mbs = source(i);
+    if (mbs.empty()) {
+      stage_->stage_module().train();
+      return -1;
+    }
+    total += reduce_loss(pipeline::run_pipeline_step(*stage_, mbs, options).loss);
+  }
+  stage_->stage_module().train();
+  return total / static_cast<double>(iters);
+}
+
+// ---- checkpoints: the model by global parameter name, the optimizer state as each
+// parameter's slice of it (a ZeRO range of its TP shard), so any layout loads any other.
+
+std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
+  const int64_t dp_rank = state_->dp_rank();
+  // write flags from the model entries say who writes among TP ranks and tied copies.
+  auto model = ckpt::stage_entries(*stage_, /*writer=*/true);
+  std::vector<ckpt::ShardedEntry> out;
+  const auto& params = optimizer_->parameters();
+  std::vector<const ckpt::ShardedEntry*> of_param(params.size(), nullptr);
+  for (const auto& e : model) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (e.tensor.is_same(params[i])) of_param[i] = &e;
+    }
+  }
+  const bool sharded_state = optimizer_->options().zero_stage() >= 1;
+  for (auto shard : optimizer_->param_state_shards()) {
+    const auto* e = of_param[shard.param];
+    MEGATORCH_CHECK(e != nullptr, "checkpoint: optimizer parameter ", shard.param, " has no checkpoint entry");
+    const std::string name = e->key.substr(e->key.find('/') + 1);
+    for (auto& [kind, t] : shard.tensors) {
+      ckpt::ShardedEntry o = *e;
+      o.key = "optim/" + kind + "/" + name;
+      o.begin = shard.begin;
+      o.end = shard.end;
+      o.tensor = t;
+      o.write = e->write && (sharded_state || dp_rank == 0);
+      out.push_back(std::move(o));
+    }
+  }
+  for (auto& e : model) {
+    e.write = e.write && dp_rank == 0;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+void TrainingLoop::save_checkpoint() {
+  const auto start = Clock::now();
+  // ZeRO-3 keeps only shards: gather every unit so the model entries are readable.
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
+  ckpt::CheckpointState st;
+  st.model_config = options_.model_config();
+  st.state = {{"iteration", iteration_},
+              {"consumed_samples", iteration_ * global_batch_size()},
+              {"optimizer_step", optimizer_->step_count()},
+              {"lr_step", lr_step_}};
+  if (scaler_) st.state["loss_scaler"] = scaler_->state_dict();
+  // The default generator and the TP tracker's streams (dropout inside TP regions): a
+  // resumed run draws the same masks as an uninterrupted one.
+  st.rank_state = {{"cpu_rng", state_bytes(tp::default_generator_state(c10::kCPU))}};
+  // On a GPU dropout draws from the device's generator (its seed and offset).
+  if (state_->device().is_cuda()) st.rank_state["cuda_rng"] = state_bytes(tp::default_generator_state(state_->device()));
+  if (const auto tracker = stage_->rng_tracker()) {
+    for (const auto& [name, state] : tracker->snapshot().states) st.rank_state["rng_streams"][name] = state_bytes(state);
+  }
+  ckpt::save_checkpoint(options_.save(), iteration_, checkpoint_entries(), st, state_->group_name(GroupKind::kWorld));
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
+  if (is_logging_rank()) {
+    std::printf("\n[megatorch] saved checkpoint at iteration %ld to %s (%.2f s)\n", iteration_, options_.save().c_str(),
+                std::chrono::duration<double>(Clock::now() - start).count());
+    std::fflush(stdout);
+  }
+}
+
+bool TrainingLoop::load_checkpoint() {
+  const auto& o = options_;
+  if (ckpt::latest_iteration(o.load()) < 0) {
+    if (is_logging_rank()) std::printf("[megatorch] no checkpoint in %s yet: starting from scratch\n", o.load().c_str());
+    return false;
+  }
+  const auto meta = ckpt::read_metadata(o.load());
+  bool saved_optimizer = false;
+  for (const auto& t : meta.at("tensors").items()) saved_optimizer |= t.key().rfind("optim/", 0) == 0;
+  // Megatron's --finetune: the weights only, as if they had been initialised so.
+  const bool has_optimizer = saved_optimizer && !o.finetune() && o.load_optimizer();
+  const bool load_rng = !o.finetune() && o.load_rng();
+  auto entries = checkpoint_entries();
+  if (!has_optimizer) {
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [](const ckpt::ShardedEntry& e) { return e.key.rfind("optim/", 0) == 0; }),
+                  entries.end());
+  }
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
+  const nlohmann::json& comparison = o.load_comparison().is_null() ? o.model_config() : o.load_comparison();
+  const auto loaded = ckpt::load_checkpoint(
+      o.load(), entries, ckpt::LoadOptions().model_config(comparison).group(state_->group_name(GroupKind::kWorld)));
+  if (has_optimizer) {
+    optimizer_->copy_master_to_params();  // the fp32 masters are the exact values
+  } else {
+    optimizer_->copy_params_to_master();  // e.g. imported from HuggingFace
+  }
+  for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
+  const auto& st = loaded.state.state;
+  if (!o.finetune()) {
+    iteration_ = st.value("iteration", int64_t{0});
+    lr_step_ = st.value("lr_step", iteration_);
+  }
+  if (has_optimizer) {
+    optimizer_->set_step_count(st.value("optimizer_step", iteration_));
+    if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
+  }
+  const auto& rank_state = loaded.state.rank_state;  // null unless the layout is the same
+  if (load_rng && !rank_state.is_null() && rank_state.contains("cpu_rng")) {
+    tp::set_default_generator_state(c10::kCPU, state_tensor(rank_state.at("cpu_rng")));
+    // A run saved on another kind of device has no state for this one: its masks restart.
+    if (state_->device().is_cuda() && rank_state.contains("cuda_rng")) {
+      tp::set_default_generator_state(state_->device(), state_tensor(rank_state.at("cuda_rng")));
+    }
+    const auto tracker = stage_->rng_tracker();
+    // The tracker's streams are generator states of the saving run's device kind.
+    const bool same_kind = tracker && tracker->device().is_cuda() == rank_state.contains("cuda_rng");
+    if (same_kind && rank_state.contains("rng_streams")) {
+      tp::RngTracker::Snapshot snap{tp::default_generator_state(tracker->device()), {}};
+      for (const auto& [name, bytes] : rank_state.at("rng_streams").items()) snap.states[name] = state_tensor(bytes);
+      tracker->restore(snap);
+    }
+  }
+  if (is_logging_rank()) {
+    std::printf("[megatorch] loaded checkpoint %s (iteration %ld, saved by %ld ranks)%s%s\n", loaded.path.c_str(),
+                st.value("iteration", int64_t{0}), loaded.world_size,
+                o.finetune() ? ": weights only (--finetune), starting at iteration 0"
+                : has_optimizer ? "" : " without optimizer state",
+                !o.finetune() && !load_rng ? ", random generators not restored" : "");
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+}  // namespace megatorch::train

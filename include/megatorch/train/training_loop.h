@@ -1,0 +1,180 @@
+#pragma once
+// TrainingLoop: the training loop for any model built from megatorch's parallel layers.
+// It makes the process groups from the torchrun environment; the user builds this
+// rank's pipeline stage on them (a pipeline::ModuleStage of their own chunks, or GPT's
+// PipelineStage) and supplies micro-batches per DP rank; the loop runs the schedule's
+// forward and backward, the gradient reductions (DP, sequence-parallel partial sums,
+// tied parameters), the ZeRO optimizer step with clipping, loss scaling and the LR
+// schedule, the Megatron-style log line and the JSON log, evaluation, and resharding
+// checkpoints (save and resume at any layout, with the stage's dropout streams).
+// gpt_pretrain is one program on it (train::Trainer).
+//
+//   train::TrainingLoop loop(train::TrainingLoopOptions().tensor_parallel(2).pipeline_parallel(2)
+//                                .num_micro_batches(4).train_iters(100).lr(1e-3));
+//   pipeline::ModuleStage stage(my_chunks(loop), pipeline::ModuleStageOptions()
+//                                   .pp_group(loop.pp_group()).loss(my_loss));
+//   loop.set_model(stage.ptr());
+//   loop.train([&](int64_t step) { return my_micro_batches(step, loop.dp_rank()); });
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megatorch/ckpt/sharded_entry.h"
+#include "megatorch/optim/distributed_optimizer.h"
+#include "megatorch/parallel/parallel_state.h"
+#include "megatorch/pipeline/executor.h"
+#include "megatorch/pipeline/stage.h"
+#include "megatorch/train/lr_schedule.h"
+#include "megatorch/train/model_parameters.h"
+
+namespace megatorch::train {
+
+// This DP rank's micro-batches of global batch `step` (0-based: the step a resumed run
+// continues from is its checkpoint's iteration). Evaluation sources are indexed from 0
+// for every evaluation; an empty vector means there is nothing to evaluate.
+using BatchSource = std::function<std::vector<pipeline::MicroBatch>(int64_t step)>;
+
+struct IterationStats {
+  int64_t iteration = 0;
+  double loss = 0;  // global mean over the batch (every rank)
+  double lr = 0;
+  double grad_norm = 0;
+  double loss_scale = 1;
+  bool skipped = false;
+  double seconds = 0;
+};
+
+struct TrainingLoopOptions {
+  // Layout: tp × pp × dp = the torchrun world. `name` prefixes the process groups.
+  TORCH_ARG(int64_t, tensor_parallel) = 1;
+  TORCH_ARG(int64_t, pipeline_parallel) = 1;
+  TORCH_ARG(int64_t, virtual_chunks) = 1;
+  TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved
+  TORCH_ARG(int64_t, zero_stage) = 0;
+  TORCH_ARG(std::string, name) = "model";
+  TORCH_ARG(std::string, device) = "auto";   // auto | cpu | cuda | cuda:N
+  TORCH_ARG(std::string, backend) = "auto";  // auto | nccl | gloo
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);  // 0: the default
+  TORCH_ARG(int64_t, seed) = 1234;  // the default generator, before the model is built
+  // Batches: samples per micro-batch and micro-batches per DP rank and step (logs, counts).
+  TORCH_ARG(int64_t, micro_batch_size) = 1;
+  TORCH_ARG(int64_t, num_micro_batches) = 1;
+  TORCH_ARG(int64_t, train_iters) = 100;
+  // Optimizer and learning rate (Megatron's defaults).
+  TORCH_ARG(double, lr) = 3e-4;
+  TORCH_ARG(double, min_lr) = 0.0;
+  TORCH_ARG(int64_t, lr_warmup_iters) = 0;
+  TORCH_ARG(int64_t, lr_decay_iters) = 0;  // 0: train_iters
+  TORCH_ARG(std::string, lr_decay_style) = "cosine";  // constant | linear | cosine
+  TORCH_ARG(double, weight_decay) = 0.01;
+  TORCH_ARG(double, adam_beta1) = 0.9;
+  TORCH_ARG(double, adam_beta2) = 0.999;
+  TORCH_ARG(double, adam_eps) = 1e-8;
+  TORCH_ARG(double, clip_grad) = 1.0;  // 0: no clipping
+  // Mixed precision: the parameters' dtype is the model's; fp16 adds dynamic loss scaling.
+  TORCH_ARG(bool, fp16) = false;
+  TORCH_ARG(double, initial_loss_scale) = 4294967296.0;
+  TORCH_ARG(int64_t, loss_scale_window) = 1000;
+  TORCH_ARG(int64_t, hysteresis) = 2;
+  // Logging: the Megatron-style line every log_interval iterations (a short progress
+  // line in between) and, with log_json, one JSON object per iteration.
+  TORCH_ARG(int64_t, log_interval) = 1;
+  TORCH_ARG(std::string, log_json) = "";
+  TORCH_ARG(std::string, loss_name) = "loss";   // "lm loss" for GPT
+  TORCH_ARG(bool, log_perplexity) = false;      // exp(loss) on the validation line
+  TORCH_ARG(int64_t, tokens_per_sample) = 1;    // tokens/s = samples/s · this
+  // FLOPs per token given the whole model's parameter count, for TFLOP/s per rank (GPT:
+  // PaLM's 6Ψ + 12·L·h·s); null reports 0.
+  TORCH_ARG(std::function<double(int64_t num_parameters)>, flops_per_token) = nullptr;
+  TORCH_ARG(std::string, timeline) = "";        // SVG of iteration 2's schedule
+  // Evaluation every eval_interval iterations (0: at the end only) over eval_iters batches.
+  TORCH_ARG(int64_t, eval_interval) = 0;
+  TORCH_ARG(int64_t, eval_iters) = 4;
+  // Checkpoints: save every save_interval iterations (and at the end) to `save`; resume
+  // from `load` (any layout). finetune: weights only, iteration 0.
+  TORCH_ARG(std::string, save) = "";
+  TORCH_ARG(int64_t, save_interval) = 0;
+  TORCH_ARG(std::string, load) = "";
+  TORCH_ARG(bool, finetune) = false;
+  TORCH_ARG(bool, load_optimizer) = true;
+  TORCH_ARG(bool, load_rng) = true;
+  // Saved with every checkpoint (metadata.json's model_config); on load, `load_comparison`
+  // (default: model_config) must equal the saved one's same fields.
+  TORCH_ARG(nlohmann::json, model_config) = nlohmann::json::object();
+  TORCH_ARG(nlohmann::json, load_comparison) = nullptr;
+};
+
+class TrainingLoop {
+ public:
+  // Makes the process groups (tp × pp × dp over the torchrun world) and seeds the default
+  // generator; the model is built after, on the groups.
+  explicit TrainingLoop(TrainingLoopOptions options);
+  ~TrainingLoop();
+
+  const parallel::ParallelState& parallel_state() const { return *state_; }
+  std::string tp_group() const;
+  std::string pp_group() const;  // "" without pipeline parallelism
+  std::string dp_group() const;
+  int64_t dp_rank() const;
+  int64_t dp_size() const;
+  c10::Device device() const;
+
+  // This rank's stage (every chunk built), its parameters grouped for the optimizer
+  // (train::stage_parameters with `grouping`); builds the DistributedOptimizer and hooks
+  // ZeRO-3's gathers into the chunks, then loads `load` when it holds a checkpoint.
+  void set_model(std::shared_ptr<pipeline::Stage> stage, const ParameterGroupingOptions& grouping = {});
+
+  // Runs from the current iteration to train_iters, evaluating on `valid` (if given),
+  // logging and saving on their intervals. Returns the last iteration's stats.
+  IterationStats train(const BatchSource& train, const BatchSource& valid = nullptr);
+  IterationStats train_step(const std::vector<pipeline::MicroBatch>& micro_batches);
+  // Mean loss over `iters` batches of `source` (the schedule's forwards only; every rank
+  // gets it); -1 when the source has nothing.
+  double evaluate(const BatchSource& source, int64_t iters);
+  void save_checkpoint();
+  bool load_checkpoint();  // false when `load` holds none yet
+
+  int64_t iteration() const { return iteration_; }
+  const TrainingLoopOptions& options() const { return options_; }
+  pipeline::Stage& stage() { return *stage_; }
+  optim::DistributedOptimizer& optimizer() { return *optimizer_; }
+  int64_t num_parameters() const { return num_parameters_; }  // whole model, each once
+  bool is_logging_rank() const;
+  // This iteration's validation loss inside on_iteration (-1: none was evaluated).
+  double last_validation_loss() const { return last_val_loss_; }
+  // samples per step: micro_batch_size · num_micro_batches · dp.
+  int64_t global_batch_size() const;
+  // Appends one record to log_json (the logging rank; nothing without log_json).
+  void write_log_json(const nlohmann::json& record);
+  // Called after each iteration's log (every rank): a program's own reporting.
+  std::function<void(const IterationStats&)> on_iteration;
+
+ private:
+  std::vector<ckpt::ShardedEntry> checkpoint_entries();
+  // The last pipeline stage's loss averaged over DP, on every rank.
+  double reduce_loss(const at::Tensor& last_stage_loss);
+  void log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes);
+  void log_validation();
+
+  TrainingLoopOptions options_;
+  std::unique_ptr<parallel::ParallelState> state_;
+  std::shared_ptr<pipeline::Stage> stage_;
+  std::shared_ptr<optim::DynamicLossScaler> scaler_;
+  std::unique_ptr<optim::DistributedOptimizer> optimizer_;
+  ModelParameters params_;
+  LRSchedule lr_;
+  bool optimizer_sums_ties_ = false;
+  int64_t iteration_ = 0;
+  int64_t lr_step_ = 0;  // iterations whose update was applied: the LR schedule's clock
+  int64_t num_parameters_ = 0;
+  std::ofstream json_;
+  double last_val_loss_ = -1;
+};
+
+}  // namespace megatorch::train

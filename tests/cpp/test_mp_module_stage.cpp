@@ -1,0 +1,275 @@
+// Generic pipeline stages: a model that is not a GPT (2-D activations, a plain LibTorch
+// LayerNorm, a tie between the first and the last stage) split into the user's own chunks
+// gives the single-rank loss and gradients under every schedule and TP inside stages;
+// checkpoints of its stage reshard; the TrainingLoop trains it with ZeRO like one rank.
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <ftw.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "megatorch/ckpt/checkpoint.h"
+#include "megatorch/ckpt/module_checkpoint.h"
+#include "megatorch/pipeline/module_stage.h"
+#include "megatorch/tp/parameter_layout.h"
+#include "megatorch/train/training_loop.h"
+#include "mp_util.h"
+
+using megatorch::comm::Group;
+using megatorch::parallel::GroupKind;
+namespace pipeline = megatorch::pipeline;
+namespace tp = megatorch::tp;
+namespace ckpt = megatorch::ckpt;
+namespace train = megatorch::train;
+
+namespace {
+
+// rm -rf (std::filesystem::remove_all resolves to libtorch's copy, which crashes).
+void remove_tree(const std::string& path) {
+  ::nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return std::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
+constexpr int64_t kHidden = 16, kIn = 8, kLayers = 8;
+
+// x + fc2(gelu(fc1(x))) with the two parallel linears: the user's own block.
+struct ToyBlockImpl : torch::nn::Cloneable<ToyBlockImpl> {
+  ToyBlockImpl(std::string group, int64_t index, int64_t seed) : group(std::move(group)), index(index), seed(seed) {
+    reset();
+  }
+  void reset() override {
+    const std::string name = "block" + std::to_string(index);
+    fc1 = register_module("fc1", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(kHidden, 2 * kHidden)
+                                                               .group(group)
+                                                               .init(tp::ParamInitOptions().name(name + ".fc1").seed(seed).std(0.2))));
+    fc2 = register_module("fc2", tp::RowParallelLinear(tp::RowParallelLinearOptions(2 * kHidden, kHidden)
+                                                            .group(group)
+                                                            .init(tp::ParamInitOptions().name(name + ".fc2").seed(seed).std(0.2))));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + fc2->forward(at::gelu(fc1->forward(x))); }
+  std::string group;
+  int64_t index, seed;
+  tp::ColumnParallelLinear fc1{nullptr};
+  tp::RowParallelLinear fc2{nullptr};
+};
+TORCH_MODULE(ToyBlock);
+
+// Layers [begin, end) of the toy model; the first chunk projects the inputs [b, kIn] with
+// `proj`, the last normalises and projects back with proj's transpose (tied) to logits.
+struct ToyChunkImpl : torch::nn::Cloneable<ToyChunkImpl> {
+  ToyChunkImpl(bool first, bool last, int64_t begin, int64_t end, std::string group, int64_t seed = 7)
+      : first(first), last(last), begin(begin), end(end), group(std::move(group)), seed(seed) {
+    reset();
+  }
+  void reset() override {
+    const tp::ShardSpec whole{{kHidden, kIn}, -1, 0, 1, 1};
+    if (first) proj = register_parameter("proj", tp::init_shard(whole, "proj", seed, tp::InitMethod::kNormal, 0.3));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t i = begin; i < end; ++i) blocks->push_back(ToyBlock(group, i, seed));
+    if (last) {
+      norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+      // The tied copy starts from the same numbers as proj (drawn from its name).
+      if (!first) out = register_parameter("out", tp::init_shard(whole, "proj", seed, tp::InitMethod::kNormal, 0.3));
+    }
+  }
+  at::Tensor forward(const at::Tensor& input) {
+    at::Tensor x = first ? at::matmul(input, proj.t()) : input;
+    for (const auto& b : *blocks) x = b->as<ToyBlockImpl>()->forward(x);
+    if (last) x = at::matmul(norm->forward(x), first ? proj : out);
+    return x;
+  }
+  bool first, last;
+  int64_t begin, end;
+  std::string group;
+  int64_t seed;
+  at::Tensor proj, out;
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(ToyChunk);
+
+at::Tensor toy_loss(const at::Tensor& logits, const pipeline::MicroBatch& mb) {
+  return at::cross_entropy_loss(logits, mb.get("targets"));
+}
+
+std::vector<pipeline::MicroBatch> toy_batches(int64_t m, int64_t b, int64_t seed) {
+  std::vector<pipeline::MicroBatch> out;
+  for (int64_t i = 0; i < m; ++i) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(seed + i);
+    pipeline::MicroBatch mb;
+    mb.tensors["x"] = at::randn({b, kIn}, g);
+    mb.tensors["targets"] = at::randint(kIn, {b}, g, at::kLong);
+    out.push_back(std::move(mb));
+  }
+  return out;
+}
+
+// This rank's chunks of the toy model: virtual stage s = c·p + rank owns kLayers/(p·v) blocks.
+pipeline::ModuleStage toy_stage(const std::string& tp_group, const std::string& pp_group, int64_t p, int64_t rank,
+                                int64_t v, pipeline::ModuleStageOptions o = pipeline::ModuleStageOptions(),
+                                int64_t seed = 7) {
+  const int64_t per = kLayers / (p * v), stages = p * v;
+  std::vector<torch::nn::AnyModule> chunks;
+  std::vector<pipeline::TiedParameter> tied;
+  for (int64_t c = 0; c < v; ++c) {
+    const int64_t s = c * p + rank;
+    chunks.emplace_back(ToyChunk(s == 0, s == stages - 1, s * per, (s + 1) * per, tp_group, seed));
+    if (stages > 1 && s == 0) tied.push_back({"proj", c, "proj"});
+    if (stages > 1 && s == stages - 1) tied.push_back({"proj", c, "out"});
+  }
+  return pipeline::ModuleStage(chunks, o.pp_group(pp_group).tp_group(tp_group).input("x").loss(toy_loss).tied(tied));
+}
+
+}  // namespace
+
+TEST_CASE("a user's model in its own chunks gives the single-rank loss and gradients", "[mp][module_stage]") {
+  const int64_t world = mp::world_size();
+  std::vector<std::pair<int64_t, int64_t>> layouts{{1, world}};  // (tp, pp)
+  if (world == 4) layouts.push_back({2, 2});
+  for (auto [tpn, ppn] : layouts) {
+    auto st = mp::state(tpn, ppn, "toy_" + std::to_string(tpn) + "_" + std::to_string(ppn));
+    Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);
+    for (auto kind : {pipeline::ScheduleKind::kGPipe, pipeline::ScheduleKind::kOneFOneB,
+                      pipeline::ScheduleKind::kInterleaved}) {
+      for (bool declared : {false, true}) {
+        const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
+        const int64_t m = 2 * ppn;
+        INFO(pipeline::schedule_kind_name(kind) << " tp=" << tpn << " pp=" << ppn << (declared ? " declared" : " inferred"));
+        const auto mbs = toy_batches(m, 3, 40);
+        ToyChunk full(true, true, 0, kLayers, "");
+        at::Tensor ref_loss = torch::zeros({});
+        for (const auto& mb : mbs) {
+          auto l = toy_loss(full->forward(mb.get("x")), mb) / static_cast<double>(m);
+          l.backward();
+          ref_loss += l.detach();
+        }
+        auto o = pipeline::ModuleStageOptions();
+        if (declared) {
+          o.activation([](int64_t, const pipeline::MicroBatch& mb) {
+            return pipeline::ActivationSpec{{mb.get("x").size(0), kHidden}, at::kFloat};
+          });
+        }
+        auto stage = toy_stage(tpg.name(), ppg.name(), ppn, ppg.rank(), v, o);
+        ppg.reset_stats();
+        const auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind));
+        // [b, h] activations: every transfer moves exactly one.
+        int64_t sends = 0;
+        for (const auto& a : pipeline::build_schedule(kind, ppn, m, v, ppg.rank())) sends += pipeline::is_send(a.kind);
+        CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * 3 * kHidden * 4);
+        stage->allreduce_tied_grads();
+        if (ppg.rank() == ppg.size() - 1) {
+          REQUIRE(result.loss.defined());
+          CHECK(torch::allclose(result.loss, ref_loss, 1e-5, 0));
+        }
+        const auto full_params = full->named_parameters();
+        for (int64_t c = 0; c < stage->num_chunks(); ++c) {
+          const auto params = stage->chunk_module(c)->named_parameters();
+          for (const auto& [local, layout] : tp::parameter_layouts(*stage->chunk_module(c))) {
+            const std::string name = stage->global_name(c, local);
+            REQUIRE(full_params.contains(name));
+            const at::Tensor want = tp::slice_for_rank(full_params[name].grad(), layout.spec);
+            const at::Tensor got = params[local].grad();
+            REQUIRE(got.defined());
+            INFO(local << " (" << name << ") max diff " << (got - want).abs().max().item<double>());
+            CHECK(torch::allclose(got, want, 1e-5, 1e-6));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("module stage: ranks that declare different activations fail together, before any p2p",
+          "[mp][module_stage]") {
+  const int64_t world = mp::world_size();
+  auto st = mp::state(1, world, "toy_bad_spec");
+  Group ppg(*st, GroupKind::kPipeline);
+  auto stage = toy_stage("", ppg.name(), world, ppg.rank(), 1,
+                         pipeline::ModuleStageOptions().activation([r = ppg.rank()](int64_t, const pipeline::MicroBatch& mb) {
+                           return pipeline::ActivationSpec{{mb.get("x").size(0), kHidden + r}, at::kFloat};
+                         }));
+  CHECK_THROWS_WITH(pipeline::run_pipeline_step(stage, toy_batches(2, 3, 1)),
+                    Catch::Contains("declares other activations"));
+  // A missing input names what the micro-batch holds (on every rank: the first stage reads it).
+  auto ok = toy_stage("", ppg.name(), world, ppg.rank(), 1);
+  pipeline::MicroBatch wrong;
+  wrong.tensors["pixels"] = at::zeros({3, kIn});
+  if (ppg.rank() == 0) {
+    CHECK_THROWS_WITH(ok->prepare({wrong}), Catch::Contains("expected a tensor named 'x'") && Catch::Contains("pixels"));
+  }
+}
+
+TEST_CASE("module stage checkpoints: saved at TP1 x PP, loaded at TP=world", "[mp][module_stage][ckpt]") {
+  const int64_t world = mp::world_size();
+  auto save_st = mp::state(1, world, "toy_ckpt_save");
+  Group world_g(*save_st, GroupKind::kWorld), ppg(*save_st, GroupKind::kPipeline);
+  const char* port = std::getenv("MASTER_PORT");
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("megatorch_toy_ckpt_" + std::string(port ? port : "0"))).string();
+  if (world_g.rank() == 0) remove_tree(dir);
+  world_g.barrier();
+  // Two chunks per rank (interleaved layout): list offsets must follow virtual stages.
+  auto saved = toy_stage("", ppg.name(), world, ppg.rank(), 2);
+  ckpt::CheckpointState state;
+  state.model_config = {{"toy", 1}};
+  ckpt::save_checkpoint(dir, 3, ckpt::stage_entries(*saved), state, world_g.name());
+  const auto meta = ckpt::read_metadata(dir);
+  CHECK(meta["tensors"].contains("model/blocks.7.fc2.weight"));
+  CHECK(meta["tensors"].contains("model/proj"));
+  CHECK_FALSE(meta["tensors"].contains("model/out"));  // the tie is written once, by its first copy
+
+  auto load_st = mp::state(world, 1, "toy_ckpt_load");
+  Group tpg(*load_st, GroupKind::kTensor);
+  auto loaded = toy_stage(tpg.name(), "", 1, 0, 1, pipeline::ModuleStageOptions(), /*seed=*/99);
+  auto entries = ckpt::stage_entries(*loaded);
+  ckpt::load_checkpoint(dir, entries, ckpt::LoadOptions().group(world_g.name()));
+  ToyChunk full(true, true, 0, kLayers, "");  // seed 7: the saved numbers
+  const auto want = full->named_parameters();
+  for (const auto& [name, layout] : tp::parameter_layouts(*loaded->chunk_module(0))) {
+    INFO(name);
+    CHECK(torch::equal(loaded->chunk_module(0)->named_parameters()[name], tp::slice_for_rank(want[name], layout.spec)));
+  }
+  world_g.barrier();
+  if (world_g.rank() == 0) remove_tree(dir);
+}
+
+TEST_CASE("TrainingLoop trains a user's model like one rank with AdamW (ZeRO-1, tie across stages)",
+          "[mp][module_stage][train]") {
+  const int64_t world = mp::world_size();
+  const int64_t m = 2, b = 3, iters = 3;
+  train::TrainingLoop loop(train::TrainingLoopOptions()
+                               .pipeline_parallel(world)
+                               .name("toy_loop")
+                               .device("cpu")
+                               .zero_stage(1)
+                               .num_micro_batches(m)
+                               .micro_batch_size(b)
+                               .train_iters(iters)
+                               .lr(1e-2)
+                               .lr_decay_style("constant")
+                               .weight_decay(0)
+                               .clip_grad(0)
+                               .log_interval(1000));
+  const auto& ps = loop.parallel_state();
+  auto stage = toy_stage(loop.tp_group(), loop.pp_group(), world, ps.pp_rank(), 1);
+  loop.set_model(stage.ptr());
+  std::vector<double> losses;
+  loop.on_iteration = [&](const train::IterationStats& s) { losses.push_back(s.loss); };
+  const auto source = [&](int64_t step) { return toy_batches(m, b, 100 * step); };
+  loop.train(source);
+  // One rank, the whole model, torch's AdamW.
+  ToyChunk full(true, true, 0, kLayers, "");
+  torch::optim::AdamW adam(full->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  REQUIRE(losses.size() == static_cast<size_t>(iters));
+  for (int64_t step = 0; step < iters; ++step) {
+    adam.zero_grad();
+    at::Tensor loss = torch::zeros({});
+    for (const auto& mb : source(step)) loss += toy_loss(full->forward(mb.get("x")), mb) / static_cast<double>(m);
+    loss.backward();
+    adam.step();
+    INFO("step " << step);
+    CHECK(losses[step] == Approx(loss.item<double>()).margin(1e-5));
+  }
+}
