@@ -3,44 +3,12 @@
 #include <regex>
 
 #include "megatorch/check.h"
+#include "megatorch/ckpt/module_checkpoint.h"
 
 namespace megatorch::ckpt {
 
-using transformer::Activation;
-using transformer::Normalization;
 using transformer::Positions;
 using transformer::TransformerConfig;
-
-namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-// How a GPT parameter is split over TP, by its (local) name: (partition dim, parts,
-// vocabulary table). Mirrors how each layer builds its ShardSpec.
-struct Split {
-  int64_t dim = -1, parts = 1;
-  bool vocab = false;
-};
-
-Split split_of(const std::string& name, const TransformerConfig& c) {
-  if (name == "embedding.weight" || name == "output_layer") return {0, 1, true};
-  if (name == "position_embedding" || ends_with(name, "norm.weight") || ends_with(name, "norm.bias") ||
-      ends_with(name, "proj.bias") || ends_with(name, "fc2.bias")) {
-    return {-1, 1, false};  // replicated (row-parallel biases are added after the reduction)
-  }
-  // The grouped QKV layout keeps whole key/value groups in contiguous rows: one part.
-  if (ends_with(name, "qkv.weight") || ends_with(name, "qkv.bias")) return {0, 1, false};
-  if (ends_with(name, "fc1.weight") || ends_with(name, "fc1.bias")) {
-    return {0, c.activation() == Activation::kSwiGLU ? 2 : 1, false};  // SwiGLU: [gate; up]
-  }
-  if (ends_with(name, "proj.weight") || ends_with(name, "fc2.weight")) return {1, 1, false};
-  MEGATORCH_FAIL("checkpoint: no sharding rule for GPT parameter '", name,
-                 "'; add one to csrc/ckpt/gpt_checkpoint.cpp (split_of)");
-}
-
-}  // namespace
 
 std::string gpt_global_name(const std::string& name, int64_t layer_begin, bool tied_copy) {
   static const std::regex layer(R"(^layers\.(\d+)\.)");
@@ -53,28 +21,20 @@ std::string gpt_global_name(const std::string& name, int64_t layer_begin, bool t
 
 std::vector<ShardedEntry> gpt_model_entries(models::GPTModelImpl& model, const GPTEntriesOptions& options) {
   const TransformerConfig& c = model.options.config();
-  const auto tp = model.tp;
-  const int64_t padded = tp::padded_vocab_size(c.vocab_size(), tp.size, c.make_vocab_size_divisible_by());
-  std::vector<ShardedEntry> out;
-  for (const auto& item : model.named_parameters()) {
-    const std::string& name = item.key();
-    const at::Tensor& p = item.value();
-    const Split split = split_of(name, c);
-    const bool tied_copy = name == "output_layer" && c.tie_embeddings();
-    ShardedEntry e;
-    e.key = options.prefix() + gpt_global_name(name, model.options.layer_begin(), tied_copy);
-    std::vector<int64_t> full = p.sizes().vec();
-    if (split.dim >= 0) full[split.dim] *= tp.size;
-    if (split.vocab) {
-      MEGATORCH_CHECK(full[0] == padded, "checkpoint: '", name, "' has ", full[0], " vocabulary rows over the TP group, expected the padded ", padded);
-      e.valid_rows = c.vocab_size();
-    }
-    e.spec = tp::ShardSpec{full, split.dim, split.dim >= 0 ? tp.rank : 0, split.dim >= 0 ? tp.size : 1, split.parts};
-    e.tensor = p;
-    e.write = options.writer() && !tied_copy && (split.dim >= 0 || tp.rank == 0);
-    out.push_back(std::move(e));
-  }
-  return out;
+  // With tied embeddings an output_layer is only ever the last stage's copy of the
+  // embedding: stored under the embedding's name, written by the first stage.
+  const bool tied = c.tie_embeddings();
+  const int64_t layer_begin = model.options.layer_begin();
+  return module_entries(model,
+                        ModuleEntriesOptions()
+                            .prefix(options.prefix())
+                            .writer(options.writer())
+                            .tp_rank(model.tp.rank)
+                            .sequence_parallel(c.sequence_parallel())
+                            .rename([tied, layer_begin](const std::string& name) {
+                              return gpt_global_name(name, layer_begin, tied && name == "output_layer");
+                            })
+                            .writes([tied](const std::string& name) { return !(tied && name == "output_layer"); }));
 }
 
 std::vector<ShardedEntry> pipeline_stage_entries(pipeline::PipelineStageImpl& stage, const GPTEntriesOptions& options) {

@@ -73,6 +73,21 @@ at::Tensor GPTModelImpl::output_weight() const {
   return output_layer.defined() ? output_layer : embedding->weight;
 }
 
+std::map<std::string, tp::ParameterLayout> GPTModelImpl::parameter_layouts() const {
+  const auto& c = options.config();
+  std::map<std::string, tp::ParameterLayout> out;
+  if (position_embedding.defined()) {
+    out["position_embedding"] = tp::replicated_layout(position_embedding, c.sequence_parallel());
+  }
+  if (output_layer.defined()) {
+    const int64_t vp = tp::padded_vocab_size(c.vocab_size(), tp.size, c.make_vocab_size_divisible_by());
+    tp::ParameterLayout& l = out["output_layer"];
+    l.spec = tp::ShardSpec{{vp, output_layer.size(1)}, 0, tp.rank, tp.size, 1};
+    l.valid_rows = c.vocab_size();
+  }
+  return out;
+}
+
 at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
   const auto& c = options.config();
   MEGATORCH_CHECK(ids.dim() == 2 && ids.size(1) <= c.max_positions(), "GPTModel: expected token ids [b, s] with s <= ",

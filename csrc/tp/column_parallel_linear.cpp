@@ -61,6 +61,14 @@ void ColumnParallelLinearImpl::reset_parameters() {
   if (bias.defined()) bias.zero_();
 }
 
+std::map<std::string, ParameterLayout> ColumnParallelLinearImpl::parameter_layouts() const {
+  const auto& o = options;
+  std::map<std::string, ParameterLayout> out;
+  out["weight"].spec = ShardSpec{{o.out_features(), o.in_features()}, 0, tp.rank, tp.size, o.parts()};
+  if (bias.defined()) out["bias"].spec = ShardSpec{{o.out_features()}, 0, tp.rank, tp.size, o.parts()};
+  return out;
+}
+
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
   stream << "megatorch::tp::ColumnParallelLinear(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", tp=" << tp.size << ", bias=" << options.bias()

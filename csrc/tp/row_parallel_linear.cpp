@@ -47,6 +47,14 @@ void RowParallelLinearImpl::reset_parameters() {
   if (bias.defined()) bias.zero_();
 }
 
+std::map<std::string, ParameterLayout> RowParallelLinearImpl::parameter_layouts() const {
+  const auto& o = options;
+  std::map<std::string, ParameterLayout> out;
+  out["weight"].spec = ShardSpec{{o.out_features(), o.in_features()}, 1, tp.rank, tp.size, 1};
+  if (bias.defined()) out["bias"] = replicated_layout(bias, o.sequence_parallel());
+  return out;
+}
+
 void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
   stream << "megatorch::tp::RowParallelLinear(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", tp=" << tp.size << ", bias=" << options.bias()

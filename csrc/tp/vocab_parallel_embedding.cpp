@@ -68,6 +68,13 @@ void VocabParallelEmbeddingImpl::reset_parameters() {
                                 options.init().name() + ".weight", options.init()));
 }
 
+std::map<std::string, ParameterLayout> VocabParallelEmbeddingImpl::parameter_layouts() const {
+  ParameterLayout w;
+  w.spec = ShardSpec{{padded_vocab_, options.embedding_dim()}, 0, tp.rank, tp.size, 1};
+  w.valid_rows = options.num_embeddings();
+  return {{"weight", w}};
+}
+
 void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {
   stream << "megatorch::tp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
          << ", padded=" << padded_vocab_ << ", embedding_dim=" << options.embedding_dim() << ", tp=" << tp.size << ")";

@@ -1,30 +1,29 @@
 #include "megatorch/train/model_parameters.h"
 
-#include <algorithm>
+#include <string>
 
 namespace megatorch::train {
 
 ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks) {
   ModelParameters out;
   for (const auto& chunk : chunks) {
-    const auto replicated = chunk->sequence_parallel_parameters();
     const auto& c = chunk->options.config();
-    const bool tied_copy = c.tie_embeddings() && !chunk->options.pre_process() && chunk->output_layer.defined();
-    for (auto& unit : chunk->parameter_units()) {
-      for (const auto& p : unit) {
-        optim::ParamInfo info;
-        const bool is_replicated = std::any_of(replicated.begin(), replicated.end(),
-                                               [&](const at::Tensor& r) { return r.is_same(p); });
-        if ((is_replicated && chunk->tp.rank != 0) || (tied_copy && p.is_same(chunk->output_layer))) {
-          info.counted_in_norm = false;
-        }
-        info.weight_decay = p.dim() > 1;
-        // Under SP each TP rank's gradient of a replicated parameter covers its sequence shard.
-        if (is_replicated && c.sequence_parallel() && chunk->tp.size > 1) info.grad_sum_group = chunk->options.group();
-        out.info.push_back(info);
-      }
-      out.units.push_back(std::move(unit));
-    }
+    // With tied embeddings an output_layer exists only as the last stage's copy of the
+    // embedding, which the first stage counts in the norm.
+    const bool tied = c.tie_embeddings();
+    const auto options = ParameterGroupingOptions()
+                             .tp_group(chunk->options.group())
+                             .sequence_parallel(c.sequence_parallel())
+                             .adjust([tied](const std::string& name, const at::Tensor&, optim::ParamInfo& info) {
+                               if (tied && name == "output_layer") info.counted_in_norm = false;
+                             });
+    // One chunk at a time: each with its own group and configuration, as before.
+    ModelParameters one = module_parameters({chunk.ptr()}, options);
+    const int64_t offset = static_cast<int64_t>(out.units.size());
+    for (auto& u : one.units) out.units.push_back(std::move(u));
+    for (auto& i : one.info) out.info.push_back(std::move(i));
+    for (auto& n : one.names) out.names.push_back(std::move(n));
+    for (const auto& [first, last] : one.chunk_units) out.chunk_units.emplace_back(offset + first, offset + last);
   }
   return out;
 }

@@ -11,6 +11,7 @@
 
 #include "megatorch/models/unit_hooks.h"
 #include "megatorch/tp/cross_entropy.h"
+#include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/vocab_parallel_embedding.h"
 #include "megatorch/transformer/transformer_layer.h"
 
@@ -28,7 +29,7 @@ struct GPTModelOptions {
   TORCH_ARG(std::shared_ptr<tp::RngTracker>, rng) = nullptr;
 };
 
-class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
+class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::ShardedModule {
  public:
   explicit GPTModelImpl(GPTModelOptions options);
   void reset() override;
@@ -65,6 +66,9 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl> {
 
   // The output layer's weight shard [Vp/tp, h] (the embedding's when tied).
   at::Tensor output_weight() const;
+  // Its own raw parameters: output_layer split over the padded vocabulary like the
+  // embedding; position_embedding replicated, partial under sequence parallelism.
+  std::map<std::string, tp::ParameterLayout> parameter_layouts() const override;
 
   GPTModelOptions options;
   tp::VocabParallelEmbedding embedding{nullptr};

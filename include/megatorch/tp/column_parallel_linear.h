@@ -6,6 +6,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "megatorch/tp/init.h"
+#include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {
@@ -32,7 +33,7 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(ParamInitOptions, init) = {};
 };
 
-class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>, public ShardedModule {
  public:
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features)
       : ColumnParallelLinearImpl(ColumnParallelLinearOptions(in_features, out_features)) {}
@@ -42,6 +43,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
+  // weight and bias split along dim 0 (output features), block by block over `parts`.
+  std::map<std::string, ParameterLayout> parameter_layouts() const override;
 
   ColumnParallelLinearOptions options;
   at::Tensor weight;  // [out/tp, in]

@@ -6,6 +6,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "megatorch/tp/init.h"
+#include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {
@@ -29,7 +30,7 @@ struct RowParallelLinearOptions {
   TORCH_ARG(ParamInitOptions, init) = {};
 };
 
-class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>, public ShardedModule {
  public:
   RowParallelLinearImpl(int64_t in_features, int64_t out_features)
       : RowParallelLinearImpl(RowParallelLinearOptions(in_features, out_features)) {}
@@ -39,6 +40,9 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
+  // weight split along dim 1 (input features); bias replicated, its gradient partial
+  // under sequence parallelism (each rank adds it to its own sequence shard).
+  std::map<std::string, ParameterLayout> parameter_layouts() const override;
 
   RowParallelLinearOptions options;
   at::Tensor weight;  // [out, in/tp]

@@ -8,6 +8,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "megatorch/tp/init.h"
+#include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {
@@ -38,7 +39,7 @@ struct VocabParallelEmbeddingOptions {
   TORCH_ARG(ParamInitOptions, init) = {};
 };
 
-class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl> {
+class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl>, public ShardedModule {
  public:
   VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim)
       : VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions(num_embeddings, embedding_dim)) {}
@@ -48,6 +49,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& ids);
+  // weight split along dim 0 over the padded vocabulary; num_embeddings rows are real.
+  std::map<std::string, ParameterLayout> parameter_layouts() const override;
 
   int64_t padded_vocab() const { return padded_vocab_; }
   int64_t vocab_start() const { return tp.rank * (padded_vocab_ / tp.size); }

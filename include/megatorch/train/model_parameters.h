@@ -1,19 +1,63 @@
 #pragma once
-// What the DistributedOptimizer needs to know about a GPT model's parameters: their
-// units (for ZeRO-3) and, per parameter, whether it counts in the global gradient norm
-// and takes weight decay.
+// What the DistributedOptimizer needs to know about a model's parameters: their units
+// (for ZeRO-3) and, per parameter, whether it counts in the global gradient norm and
+// takes weight decay. For any module tree (module_parameters), derived from the parallel
+// layers' own layouts (tp/parameter_layout.h); for GPT as before (gpt_model_parameters).
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "megatorch/models/gpt_model.h"
 #include "megatorch/optim/distributed_optimizer.h"
 #include "megatorch/pipeline/pipeline_stage.h"
+#include "megatorch/pipeline/stage.h"
 
 namespace megatorch::train {
 
 struct ModelParameters {
   std::vector<std::vector<at::Tensor>> units;
   std::vector<optim::ParamInfo> info;  // flattened in unit order
+  std::vector<std::string> names;      // the same order: each parameter's dotted name in its chunk
+  // Per chunk: its first unit (the root) and its last.
+  std::vector<std::pair<int64_t, int64_t>> chunk_units;
 };
+
+struct ParameterGroupingOptions {
+  // The TP group of the model's parallel layers ("" none): a parameter no parallel layer
+  // splits is replicated over it, so it counts in the gradient norm on TP rank 0 only.
+  TORCH_ARG(std::string, tp_group) = "";
+  // Sequence parallelism: replicated parameters see only this rank's sequence shard, so
+  // their gradients are partial sums over TP (norms, row-parallel biases), added by the
+  // optimizer (ParamInfo::grad_sum_group). Layers that know better say so themselves.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  // Called for every parameter (its dotted name in its chunk) after the defaults were
+  // derived: the user's overrides of counted_in_norm, weight_decay, grad_sum_group.
+  TORCH_ARG(std::function<void(const std::string& name, const at::Tensor& param, optim::ParamInfo& info)>,
+            adjust) = nullptr;
+};
+
+// Units and flags for any module tree, one entry of `chunks` per model chunk of this rank.
+// Each chunk's units: its root (every parameter not inside an element of a top-level
+// ModuleList; possibly empty), then one per element of each top-level ModuleList, in
+// registration order (as Python's FullyShard wraps each block). Per parameter: split by
+// a parallel layer (tp::parameter_layouts) -> counted on every TP rank; replicated ->
+// counted on TP rank 0 only; 1-D -> no weight decay (Megatron's rule).
+ModelParameters module_parameters(const std::vector<std::shared_ptr<torch::nn::Module>>& chunks,
+                                  const ParameterGroupingOptions& options = {});
+
+// A pipeline stage's parameters: GPT's PipelineStage as pipeline_stage_parameters; any
+// other stage as module_parameters over its chunks, with tied copies other than a tie's
+// first not counted in the norm, and ties of two copies on two pipeline ranks marked for
+// the optimizer to sum after its DP reduction (as GPT's tied embedding).
+ModelParameters stage_parameters(pipeline::Stage& stage, const ParameterGroupingOptions& options = {});
+// Whether stage_parameters left every tie's sum to the optimizer (else call
+// Stage::allreduce_tied_grads after backward, with overlap_grad_reduce off).
+bool optimizer_sums_ties(pipeline::Stage& stage);
+// ZeRO-3 and overlapped ZeRO-1/2 gathers for any stage: unit numbers as stage_parameters.
+void attach_stage_unit_hooks(pipeline::Stage& stage, const ModelParameters& params, optim::DistributedOptimizer& optimizer);
 
 // `chunks`: the model chunks of this rank's pipeline stage (one, or v when interleaved).
 // Parameters replicated across TP (norms, row-parallel biases, position embeddings)
