@@ -54,6 +54,7 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   j["make_vocab_size_divisible_by"] = c.make_vocab_size_divisible_by();
   j["init_std"] = c.init_std();
   j["sliding_window"] = c.sliding_window();
+  j["causal_attention"] = c.causal_attention();
   // With RoPE no parameter has the max positions' size (so the shape JSON says 0), but
   // they are the model's own (an imported one's) and go back into an exported HF config.
   j["max_positions"] = c.max_positions();
@@ -113,6 +114,7 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
     // Absent in checkpoints written before these fields existed: no QKV bias of its own, no window.
     c.add_qkv_bias(j.value("add_qkv_bias", false));
     c.sliding_window(j.contains("sliding_window") ? integer("sliding_window") : 0);
+    c.causal_attention(j.value("causal_attention", true));  // absent: written when every model was causal
   } catch (const nlohmann::json::exception& e) {
     MEGATORCH_FAIL("checkpoint model_config ", j.dump(), " is not a GPT configuration (", e.what(), ")");
   }

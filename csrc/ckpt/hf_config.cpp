@@ -132,6 +132,7 @@ HFArch parse_hf_arch(const std::string& s) {
 }
 
 bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
+  if (!c.causal_attention()) return false;  // every supported HF model is a causal LM
   switch (a) {
     case HFArch::kGPT2: return gpt2_shaped(c) && c.sliding_window() == 0;
     case HFArch::kLlama: return llama_shaped(c) && !c.add_qkv_bias() && c.sliding_window() == 0;
@@ -151,9 +152,10 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
   MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
                  to_string(c.position_embedding_type()), ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
                  c.add_qkv_bias(), ", sliding_window ", c.sliding_window(), ", ", c.query_groups(),
-                 " query groups) is neither GPT-2 (LayerNorm, gelu_tanh, learned positions, biases, MHA, no window) "
-                 "nor Llama/Mistral/Qwen2 (RMSNorm, swiglu, rope, no linear biases; Qwen2: add_qkv_bias; "
-                 "Mistral: sliding_window)");
+                 " query groups, causal_attention ", c.causal_attention(), ") is neither GPT-2 (LayerNorm, "
+                 "gelu_tanh, learned positions, biases, MHA, no window) nor Llama/Mistral/Qwen2 (RMSNorm, swiglu, "
+                 "rope, no linear biases; Qwen2: add_qkv_bias; Mistral: sliding_window), all of them causal "
+                 "(causal_attention true)");
 }
 
 namespace {

@@ -134,6 +134,9 @@ at::Tensor GPTModelImpl::forward_cached(const at::Tensor& input, int64_t positio
   MEGATORCH_CHECK(!is_training() && !c.sequence_parallel(), "GPTModel::forward_cached: expected eval mode without "
                   "sequence parallelism, got training ", is_training(), ", sequence_parallel ", c.sequence_parallel(),
                   "; call eval() and build the model with sequence_parallel(false)");
+  MEGATORCH_CHECK(c.causal_attention(), "GPTModel::forward_cached: expected causal attention, got "
+                  "causal_attention(false): cached keys and values assume no token sees later ones; run the whole "
+                  "sequence through forward() instead");
   MEGATORCH_CHECK(caches.size() == layers->size(), "GPTModel::forward_cached: expected one KV cache per layer (",
                   layers->size(), "), got ", caches.size(), "; make them with inference::make_kv_caches");
   const int64_t s = options.pre_process() ? input.size(1) : input.size(0);

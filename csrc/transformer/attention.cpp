@@ -65,7 +65,7 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
     // Each TP rank holds other heads: its attention dropout draws from its own stream.
     c10::optional<tp::RngTracker::Fork> fork;
     if (p > 0 && options.rng()) fork.emplace(*options.rng(), tp::kModelParallelRng);
-    out = at::scaled_dot_product_attention(qb, kb, vb, c10::nullopt, p, /*is_causal=*/true,
+    out = at::scaled_dot_product_attention(qb, kb, vb, c10::nullopt, p, /*is_causal=*/c.causal_attention(),
                                            1.0 / std::sqrt(static_cast<double>(c.head_dim())),
                                            /*enable_gqa=*/local_groups != local_heads);
   }

@@ -16,6 +16,10 @@ at::Tensor ParallelAttentionImpl::forward_cached_without_bias(const at::Tensor& 
   const auto& c = options.config();
   MEGATORCH_CHECK(!is_training(), "ParallelAttention::forward_cached_without_bias: expected eval mode (no dropout); "
                   "call eval() on the model before generating");
+  // Appending tokens to a cache assumes earlier tokens never see later ones.
+  MEGATORCH_CHECK(c.causal_attention(), "ParallelAttention::forward_cached_without_bias: expected causal attention, "
+                  "got causal_attention(false): a KV cache holds keys that later tokens must not change, which "
+                  "bidirectional attention breaks; run the whole sequence through forward() instead");
   MEGATORCH_CHECK(!c.sequence_parallel(), "ParallelAttention::forward_cached_without_bias: expected a configuration "
                   "without sequence parallelism (each step has too few tokens to split); build the model with "
                   "sequence_parallel(false)");

@@ -95,7 +95,7 @@ const std::vector<Field>& fields() {
       MT_FIELD(normalization), MT_FIELD(norm_epsilon), MT_FIELD(activation),
       MT_FIELD(position_embedding_type), MT_FIELD(rotary_base), MT_FIELD(attention_dropout),
       MT_FIELD(hidden_dropout), MT_FIELD(add_bias_linear), MT_FIELD(add_qkv_bias),
-      MT_FIELD(tie_embeddings), MT_FIELD(sliding_window),
+      MT_FIELD(tie_embeddings), MT_FIELD(sliding_window), MT_FIELD(causal_attention),
       MT_FIELD(sequence_parallel), MT_FIELD(recompute), MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
       MT_FIELD(shard_local_init), MT_FIELD(fused_kernels),

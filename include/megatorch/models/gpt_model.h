@@ -41,7 +41,8 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
   // Inference with one KV cache per layer of this chunk (inference::make_kv_caches): the
   // input (ids [b, s], or the previous stage's hidden states [s, b, h]) holds the s tokens
   // at positions [position_offset, position_offset + s), the caches every earlier one.
-  // Returns what forward returns for those tokens. Eval mode, no sequence parallelism.
+  // Returns what forward returns for those tokens. Eval mode, no sequence parallelism,
+  // causal attention.
   at::Tensor forward_cached(const at::Tensor& input, int64_t position_offset, std::vector<inference::KVCache>& caches);
   // Per-token loss [s, b] (fp32) from a logits shard and labels [b, s]; padded
   // vocabulary columns are left out of the softmax, ignore_index tokens give 0.

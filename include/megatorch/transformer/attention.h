@@ -1,9 +1,9 @@
 #pragma once
 // ParallelAttention: QKV column-parallel, split by heads (each TP rank holds
 // heads/tp query heads and groups/tp key/value heads, MHA or GQA), causal
-// scaled-dot-product attention through at::scaled_dot_product_attention (flash
-// attention on GPUs), RoPE optional (kernels::rotary_embedding with
-// config.fused_kernels), output projection row-parallel.
+// scaled-dot-product attention (bidirectional with config.causal_attention false)
+// through at::scaled_dot_product_attention (flash attention on GPUs), RoPE optional
+// (kernels::rotary_embedding with config.fused_kernels), output projection row-parallel.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -48,7 +48,7 @@ class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl>
   // the s tokens after the cache's `length`, rope_freqs their positions' angles [s, 1, 1, r]
   // (undefined without RoPE). Their keys and values are appended to `cache` and their
   // queries attend over the whole cache, causally. Without proj's bias, like
-  // forward_without_bias. Eval mode, no sequence parallelism.
+  // forward_without_bias. Eval mode, no sequence parallelism, causal attention.
   at::Tensor forward_cached_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs, inference::KVCache& cache);
 
   ParallelAttentionOptions options;

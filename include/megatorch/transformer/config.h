@@ -46,6 +46,9 @@ struct TransformerConfig {
   // the whole causal prefix, which equals a window >= seq_length, so validate() refuses a
   // shorter window rather than silently attending further than the model was trained to.
   TORCH_ARG(int64_t, sliding_window) = 0;
+  // Each token attends to those before it (a decoder); false gives bidirectional attention,
+  // e.g. a BERT encoder. KV-cache inference and the HuggingFace export need causal.
+  TORCH_ARG(bool, causal_attention) = true;
   // Split norm/dropout regions along the sequence across the TP group (Korthikanti).
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(Recompute, recompute) = Recompute::kNone;
