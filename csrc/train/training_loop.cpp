@@ -95,6 +95,9 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
                   "TrainingLoop::set_model: the loop runs pipeline size ", state_->pp_size(), " with ",
                   options_.virtual_chunks(), " chunks per rank, but the stage has ", stage->pp_size(), " and ",
                   stage->num_chunks(), "; build it on loop.pp_group() with virtual_chunks() chunks");
+  MEGATORCH_CHECK(stage->device() == state_->device(), "TrainingLoop::set_model: the stage runs on ", stage->device(),
+                  " but the loop on ", state_->device(), "; build the chunks on loop.device() and pass it to the "
+                  "stage (ModuleStageOptions::device)");
   stage_ = std::move(stage);
   const auto& o = options_;
   if (o.fp16()) {
@@ -156,12 +159,24 @@ double TrainingLoop::reduce_loss(const at::Tensor& loss) {
   return l.item<double>() / static_cast<double>(state_->dp_size());
 }
 
-IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>& mbs) {
+std::vector<pipeline::MicroBatch> TrainingLoop::on_device(std::vector<pipeline::MicroBatch> mbs) const {
+  const c10::Device device = state_->device();
+  for (auto& mb : mbs) {
+    bool elsewhere = (mb.ids.defined() && mb.ids.device() != device) ||
+                     (mb.labels.defined() && mb.labels.device() != device);
+    for (const auto& [name, t] : mb.tensors) elsewhere |= t.defined() && t.device() != device;
+    if (elsewhere) mb = mb.to(device, /*non_blocking=*/true);
+  }
+  return mbs;
+}
+
+IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>& host_mbs) {
   MEGATORCH_CHECK(stage_ != nullptr, "TrainingLoop: call set_model(stage) before training");
-  MEGATORCH_CHECK(static_cast<int64_t>(mbs.size()) == options_.num_micro_batches(), "TrainingLoop: expected ",
+  MEGATORCH_CHECK(static_cast<int64_t>(host_mbs.size()) == options_.num_micro_batches(), "TrainingLoop: expected ",
                   options_.num_micro_batches(), " micro-batches per step and DP rank (num_micro_batches), got ",
-                  mbs.size());
+                  host_mbs.size());
   const auto start = Clock::now();
+  const auto mbs = on_device(host_mbs);
   comm::reset_comm_stats();
   IterationStats s;
   s.iteration = iteration_ + 1;
@@ -310,7 +325,7 @@ double TrainingLoop::evaluate(const BatchSource& source, int64_t iters) {
       stage_->stage_module().train();
       return -1;
     }
-    total += reduce_loss(pipeline::run_pipeline_step(*stage_, mbs, options).loss);
+    total += reduce_loss(pipeline::run_pipeline_step(*stage_, on_device(mbs), options).loss);
   }
   stage_->stage_module().train();
   return total / static_cast<double>(iters);

@@ -133,6 +133,7 @@ class TrainingLoop {
   // Runs from the current iteration to train_iters, evaluating on `valid` (if given),
   // logging and saving on their intervals. Returns the last iteration's stats.
   IterationStats train(const BatchSource& train, const BatchSource& valid = nullptr);
+  // One step on these micro-batches (moved to the loop's device when elsewhere).
   IterationStats train_step(const std::vector<pipeline::MicroBatch>& micro_batches);
   // Mean loss over `iters` batches of `source` (the schedule's forwards only; every rank
   // gets it); -1 when the source has nothing.
@@ -157,6 +158,7 @@ class TrainingLoop {
 
  private:
   std::vector<ckpt::ShardedEntry> checkpoint_entries();
+  std::vector<pipeline::MicroBatch> on_device(std::vector<pipeline::MicroBatch> micro_batches) const;
   // The last pipeline stage's loss averaged over DP, on every rank.
   double reduce_loss(const at::Tensor& last_stage_loss);
   void log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes);
