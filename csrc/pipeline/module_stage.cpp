@@ -144,7 +144,7 @@ std::string ModuleStageImpl::global_name(int64_t c, const std::string& local_nam
   }
   for (const auto& [path, offset] : list_offsets_.at(c)) {
     const auto [index, rest] = util::list_element_of(local_name, path);
-    if (index >= 0) return path + "." + std::to_string(offset + index) + "." + rest;
+    if (index >= 0) return (path.empty() ? "" : path + ".") + std::to_string(offset + index) + "." + rest;
   }
   return local_name;
 }

@@ -37,10 +37,6 @@ std::map<std::string, int64_t> unit_elements(const torch::nn::Module& root) {
       elements.emplace(path.empty() ? child.key() : path + "." + child.key(), next);
     }
   };
-  if (const auto* list = dynamic_cast<const torch::nn::ModuleListImpl*>(&root)) {
-    add_list("", *list);
-    return elements;
-  }
   for (const auto& [path, list] : util::top_level_module_lists(root)) add_list(path, *list);
   return elements;
 }
