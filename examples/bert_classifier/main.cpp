@@ -28,8 +28,8 @@ constexpr int64_t kCls = 0, kMarker = 1, kFirstWord = 3;  // 2 is left unused (p
 struct Args {
   int64_t tp = 1, pp = 1, virtual_chunks = 1, zero = 0;
   std::string schedule = "1f1b", device = "cpu";
-  int64_t iters = 80, micro_batch_size = 4, micro_batches = 4, eval_iters = 8, log_interval = 10;
-  int64_t hidden = 32, layers = 4, heads = 4, seq = 16, vocab = 32, seed = 1234;
+  int64_t iters = 60, micro_batch_size = 4, micro_batches = 4, eval_iters = 8, log_interval = 10;
+  int64_t hidden = 32, layers = 2, heads = 4, seq = 16, vocab = 32, seed = 1234;
   double lr = 3e-3, dropout = 0.0, min_accuracy = 0.75;
   std::string log_json, save, load;
 };

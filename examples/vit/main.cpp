@@ -29,7 +29,7 @@ struct Args {
   int64_t tp = 1, pp = 1, virtual_chunks = 1, zero = 3;
   std::string schedule = "1f1b", device = "cpu";
   int64_t iters = 60, micro_batch_size = 4, micro_batches = 2, eval_iters = 8, log_interval = 10;
-  int64_t image = 8, patch = 2, square = 3, hidden = 32, layers = 2, heads = 4, seed = 1234;
+  int64_t image = 8, patch = 2, square = 3, hidden = 64, layers = 2, heads = 4, seed = 1234;
   double lr = 3e-3, dropout = 0.0, noise = 0.3, min_accuracy = 0.5;
   std::string log_json;
 };
