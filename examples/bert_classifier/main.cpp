@@ -28,7 +28,7 @@ constexpr int64_t kCls = 0, kMarker = 1, kFirstWord = 3;  // 2 is left unused (p
 struct Args {
   int64_t tp = 1, pp = 1, virtual_chunks = 1, zero = 0;
   std::string schedule = "1f1b", device = "cpu";
-  int64_t iters = 60, micro_batch_size = 4, micro_batches = 4, eval_iters = 8, log_interval = 10;
+  int64_t iters = 60, micro_batch_size = 4, micro_batches = 4, eval_iters = 8, log_interval = 10, save_interval = 0;
   int64_t hidden = 32, layers = 2, heads = 4, seq = 16, vocab = 32, seed = 1234;
   double lr = 3e-3, dropout = 0.0, min_accuracy = 0.75;
   std::string log_json, save, load;
@@ -111,6 +111,7 @@ int run(const Args& a) {
                                .log_json(a.log_json)
                                .tokens_per_sample(a.seq)
                                .save(a.save)
+                               .save_interval(a.save_interval)
                                .load(a.load)
                                .eval_iters(a.eval_iters)
                                .model_config({{"model", "bert_classifier"}, {"hidden_size", a.hidden},
@@ -211,6 +212,7 @@ int main(int argc, char** argv) {
   app.add_option("--log-interval", a.log_interval, "iterations between log lines");
   app.add_option("--log-json", a.log_json, "one JSON object per iteration");
   app.add_option("--save", a.save, "checkpoint directory to save to (at the end)");
+  app.add_option("--save-interval", a.save_interval, "also save every this many iterations");
   app.add_option("--load", a.load, "checkpoint directory to resume from (any layout)");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);  // several ranks share the cores

@@ -87,6 +87,7 @@ double reduce_accuracy(const Accuracy& acc, const train::TrainingLoop& loop, int
 }
 
 int run(const Args& a) {
+  const int64_t tokens = (a.image / a.patch) * (a.image / a.patch) + 1;  // patches and the class token
   auto rng = std::make_shared<tp::RngTracker>();
   train::TrainingLoop loop(train::TrainingLoopOptions()
                                .tensor_parallel(a.tp)
@@ -105,11 +106,11 @@ int run(const Args& a) {
                                .lr_warmup_iters(std::min<int64_t>(5, a.iters / 10))
                                .log_interval(a.log_interval)
                                .log_json(a.log_json)
+                               .tokens_per_sample(tokens)
                                .eval_iters(a.eval_iters));
   const auto& ps = loop.parallel_state();
   rng->seed(a.seed, ps.tp_rank(), loop.device());
 
-  const int64_t tokens = (a.image / a.patch) * (a.image / a.patch) + 1;  // patches and the class token
   auto config = transformer::TransformerConfig()
                     .hidden_size(a.hidden)
                     .num_attention_heads(a.heads)

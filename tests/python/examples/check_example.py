@@ -5,7 +5,8 @@
 First the same iterations on one rank and at TP2 x PP2 (4 ranks), fp32 and no dropout:
 every iteration's loss must agree within 1e-5 (the model starts from the same numbers and
 sees the same batches at every layout). Then the example's main configuration: the BERT
-classifier at TP2 x PP2 to a held-out accuracy clearly above chance, the ViT at TP2 x DP2
+classifier at TP2 x PP2 to a held-out accuracy clearly above chance (and its checkpoint,
+saved at TP2 x PP2, resumed on one rank as if uninterrupted), the ViT at TP2 x DP2
 with ZeRO-3 (its losses equal to one rank's with the same global batch, and above-chance
 accuracy), the GPT loop at PP2 x DP2 with ZeRO-1 and dropout, whose loss must fall."""
 import json
@@ -67,7 +68,18 @@ def parity(exe, tmp, args, iters=3):
 
 
 def bert_classifier(exe, tmp):
-    parity(exe, tmp, ["--min-accuracy", "0", "--eval-iters", "1"])
+    parity(exe, tmp, ["--min-accuracy", "0", "--eval-iters", "1"], iters=6)
+    # Checkpoints reshard: saved at TP2 x PP2 after iteration 3, resumed on one rank.
+    short = ["--min-accuracy", "0", "--eval-iters", "1", "--iters", "6", "--dropout", "0"]
+    run(exe, 4, [*short, "--tp", "2", "--pp", "2", "--save", str(tmp / "ckpt"), "--save-interval", "3"], tmp / "s.json")
+    (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3\n")  # resume from iteration 3
+    run(exe, 1, [*short, "--load", str(tmp / "ckpt")], tmp / "resumed.json")
+    resumed = losses(tmp / "resumed.json")
+    assert sorted(resumed) == [4, 5, 6], sorted(resumed)
+    one = losses(tmp / "one.json")
+    worst = max(abs(one[i] - resumed[i]) for i in resumed)
+    assert worst <= TOLERANCE, f"resumed losses {resumed}, uninterrupted {one}"
+    print(f"  resumed on one rank from TP2 x PP2's checkpoint: iterations 4-6 as uninterrupted ({worst:.2e})")
     out = run(exe, 4, ["--tp", "2", "--pp", "2", "--min-accuracy", "0.75"], tmp / "main.json")
     accuracy("TP2 x PP2", out, 0.75)
     ls = losses(tmp / "main.json")
