@@ -57,6 +57,7 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
                .log_perplexity(true)
                .tokens_per_sample(a.seq_length)
                .timeline(a.timeline)
+               .print_summary(false)  // the Trainer prints gpt_pretrain's own lines
                .eval_interval(a.eval_interval)
                .eval_iters(a.eval_iters)
                .save(a.save)

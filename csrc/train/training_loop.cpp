@@ -142,6 +142,14 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(count);
   num_parameters_ = static_cast<int64_t>(count.item<double>());
   if (!o.load().empty()) load_checkpoint();
+  if (is_logging_rank() && o.print_summary()) {
+    std::printf("[megatorch] %s: world %ld = tp %ld x pp %ld (v %ld) x dp %ld, ZeRO-%ld, %ld parameters, global batch "
+                "%ld = micro-batch %ld x %ld micro-batches x dp %ld\n",
+                o.name().c_str(), state_->world_size(), state_->tp_size(), state_->pp_size(), o.virtual_chunks(),
+                state_->dp_size(), o.zero_stage(), num_parameters_, global_batch_size(), o.micro_batch_size(),
+                o.num_micro_batches(), state_->dp_size());
+    std::fflush(stdout);
+  }
   // A resumed run appends to the log of the run it continues.
   if (is_logging_rank() && !o.log_json().empty()) {
     json_.open(o.log_json(), iteration_ > 0 ? std::ios::app : std::ios::trunc);
@@ -398,11 +406,11 @@ void TrainingLoop::save_checkpoint() {
 
 bool TrainingLoop::load_checkpoint() {
   const auto& o = options_;
-  if (ckpt::latest_iteration(o.load()) < 0) {
+  if (o.load_iteration() < 0 && ckpt::latest_iteration(o.load()) < 0) {
     if (is_logging_rank()) std::printf("[megatorch] no checkpoint in %s yet: starting from scratch\n", o.load().c_str());
     return false;
   }
-  const auto meta = ckpt::read_metadata(o.load());
+  const auto meta = ckpt::read_metadata(o.load(), o.load_iteration());
   bool saved_optimizer = false;
   for (const auto& t : meta.at("tensors").items()) saved_optimizer |= t.key().rfind("optim/", 0) == 0;
   // Megatron's --finetune: the weights only, as if they had been initialised so.
@@ -417,7 +425,8 @@ bool TrainingLoop::load_checkpoint() {
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
   const nlohmann::json& comparison = o.load_comparison().is_null() ? o.model_config() : o.load_comparison();
   const auto loaded = ckpt::load_checkpoint(
-      o.load(), entries, ckpt::LoadOptions().model_config(comparison).group(state_->group_name(GroupKind::kWorld)));
+      o.load(), entries,
+      ckpt::LoadOptions().iteration(o.load_iteration()).model_config(comparison).group(state_->group_name(GroupKind::kWorld)));
   if (has_optimizer) {
     optimizer_->copy_master_to_params();  // the fp32 masters are the exact values
   } else {

@@ -235,23 +235,29 @@ TEST_CASE("module stage checkpoints: saved at TP1 x PP, loaded at TP=world", "[m
   if (world_g.rank() == 0) remove_tree(dir);
 }
 
-TEST_CASE("TrainingLoop trains a user's model like one rank with AdamW (ZeRO-1, tie across stages)",
+TEST_CASE("TrainingLoop trains a user's model like one rank with AdamW (ZeRO-1, tie across stages), resumes exactly",
           "[mp][module_stage][train]") {
   const int64_t world = mp::world_size();
   const int64_t m = 2, b = 3, iters = 3;
-  train::TrainingLoop loop(train::TrainingLoopOptions()
-                               .pipeline_parallel(world)
-                               .name("toy_loop")
-                               .device("cpu")
-                               .zero_stage(1)
-                               .num_micro_batches(m)
-                               .micro_batch_size(b)
-                               .train_iters(iters)
-                               .lr(1e-2)
-                               .lr_decay_style("constant")
-                               .weight_decay(0)
-                               .clip_grad(0)
-                               .log_interval(1000));
+  const char* port = std::getenv("MASTER_PORT");
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("megatorch_toy_loop_" + std::string(port ? port : "0"))).string();
+  if (mp::rank() == 0) remove_tree(dir);
+  const auto options = train::TrainingLoopOptions()
+                           .pipeline_parallel(world)
+                           .device("cpu")
+                           .zero_stage(1)
+                           .num_micro_batches(m)
+                           .micro_batch_size(b)
+                           .train_iters(iters)
+                           .lr(1e-2)
+                           .lr_decay_style("constant")
+                           .weight_decay(0)
+                           .clip_grad(0)
+                           .log_interval(1000)
+                           .save(dir)
+                           .save_interval(1);
+  train::TrainingLoop loop(train::TrainingLoopOptions(options).name("toy_loop"));
   const auto& ps = loop.parallel_state();
   auto stage = toy_stage(loop.tp_group(), loop.pp_group(), world, ps.pp_rank(), 1);
   loop.set_model(stage.ptr());
@@ -259,6 +265,20 @@ TEST_CASE("TrainingLoop trains a user's model like one rank with AdamW (ZeRO-1, 
   loop.on_iteration = [&](const train::IterationStats& s) { losses.push_back(s.loss); };
   const auto source = [&](int64_t step) { return toy_batches(m, b, 100 * step); };
   loop.train(source);
+  {  // Resumed from iteration 2 (not the latest, 3): its third step is the uninterrupted one.
+    train::TrainingLoop resumed(train::TrainingLoopOptions(options).name("toy_loop_resumed").save("").load(dir)
+                                    .load_iteration(2));
+    auto fresh = toy_stage(resumed.tp_group(), resumed.pp_group(), world, ps.pp_rank(), 1, {}, /*seed=*/99);
+    resumed.set_model(fresh.ptr());
+    CHECK(resumed.iteration() == 2);
+    std::vector<double> again;
+    resumed.on_iteration = [&](const train::IterationStats& s) { again.push_back(s.loss); };
+    resumed.train(source);
+    REQUIRE(again.size() == 1);
+    CHECK(again[0] == Approx(losses.at(2)).margin(1e-6));
+  }
+  Group(ps, GroupKind::kWorld).barrier();
+  if (mp::rank() == 0) remove_tree(dir);
   // One rank, the whole model, torch's AdamW.
   ToyChunk full(true, true, 0, kLayers, "");
   torch::optim::AdamW adam(full->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0));

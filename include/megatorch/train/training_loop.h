@@ -93,6 +93,9 @@ struct TrainingLoopOptions {
   // PaLM's 6Ψ + 12·L·h·s); null reports 0.
   TORCH_ARG(std::function<double(int64_t num_parameters)>, flops_per_token) = nullptr;
   TORCH_ARG(std::string, timeline) = "";        // SVG of iteration 2's schedule
+  // One line after set_model: the layout, ZeRO stage and parameter count (gpt_pretrain
+  // prints its own).
+  TORCH_ARG(bool, print_summary) = true;
   // Evaluation every eval_interval iterations (0: at the end only) over eval_iters batches.
   TORCH_ARG(int64_t, eval_interval) = 0;
   TORCH_ARG(int64_t, eval_iters) = 4;
@@ -101,6 +104,7 @@ struct TrainingLoopOptions {
   TORCH_ARG(std::string, save) = "";
   TORCH_ARG(int64_t, save_interval) = 0;
   TORCH_ARG(std::string, load) = "";
+  TORCH_ARG(int64_t, load_iteration) = -1;  // -1: the one `latest` names (Megatron's --ckpt-step)
   TORCH_ARG(bool, finetune) = false;
   TORCH_ARG(bool, load_optimizer) = true;
   TORCH_ARG(bool, load_rng) = true;
