@@ -69,9 +69,16 @@ TiedParameters::TiedParameters(std::vector<TiedCopy> copies, const std::string& 
     t.first_virtual_stage = t.first_virtual_stage < 0 ? stage : std::min(t.first_virtual_stage, stage);
     t.copies += 1;
   }
-  for (const auto& c : copies_) {
-    MEGATORCH_CHECK(tie(c.name).copies >= 2, "tied parameters: '", c.name, "' has a single copy over the whole ",
-                    "pipeline; name the same tie on every stage that holds a copy (or drop the tie)");
+  // Checked on every rank (all know every tie), so all fail together rather than some
+  // waiting in a later exchange.
+  for (const auto& [key, t] : ties_) {
+    if (t.copies >= 2) continue;
+    std::string name = "declared by pipeline rank " + std::to_string(t.holders.front());
+    for (const auto& c : copies_) {
+      if (fingerprint(c.name) == key) name = "'" + c.name + "'";
+    }
+    MEGATORCH_FAIL("tied parameters: the tie ", name, " has a single copy over the whole pipeline; name the same ",
+                   "tie on every stage that holds a copy (or drop the tie)");
   }
 }
 
@@ -87,22 +94,20 @@ bool TiedParameters::is_primary(const TiedCopy& copy) const {
   return tie(copy.name).first_virtual_stage == copy.chunk * pp_size_ + pp_rank_;
 }
 
-bool TiedParameters::optimizer_can_sum(const std::string& name) const {
-  const Tie& t = tie(name);
-  return t.copies == 2 && t.holders.size() == 2;
+bool TiedParameters::optimizer_can_sum() const {
+  for (const auto& [key, t] : ties_) {
+    if (t.copies != 2 || t.holders.size() != 2) return false;
+  }
+  return true;
 }
 
-void TiedParameters::allreduce_grads(bool skip_optimizer_summed) {
+void TiedParameters::allreduce_grads() {
   for (const auto& [key, t] : ties_) {
     std::vector<const TiedCopy*> local;
-    std::string name;
     for (const auto& c : copies_) {
-      if (fingerprint(c.name) == key) {
-        local.push_back(&c);
-        name = c.name;
-      }
+      if (fingerprint(c.name) == key) local.push_back(&c);
     }
-    if (local.empty() || (skip_optimizer_summed && optimizer_can_sum(name))) continue;
+    if (local.empty()) continue;
     // This rank's copies first (in chunk order: the same sum on every run).
     at::Tensor sum = grad_of(local[0]->tensor).clone();
     for (size_t i = 1; i < local.size(); ++i) sum.add_(grad_of(local[i]->tensor));

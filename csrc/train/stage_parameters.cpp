@@ -56,16 +56,19 @@ ModelParameters stage_parameters(pipeline::Stage& stage, const ParameterGrouping
   std::vector<std::shared_ptr<torch::nn::Module>> chunks;
   for (int64_t c = 0; c < ms->num_chunks(); ++c) chunks.push_back(ms->chunk_module(c));
   ModelParameters out = module_parameters(chunks, o);
-  // Ties: only a tie's first copy counts in the norm; two copies on two ranks are summed
-  // by the optimizer after its DP reduction (each alone in its bucket, sharded alike).
+  // Ties: only a tie's first copy counts in the norm. When every tie is two copies on two
+  // ranks the optimizer sums them after its DP reduction (each alone in its bucket,
+  // sharded alike); otherwise all of them are summed on .grad (Stage::allreduce_tied_grads),
+  // never some twice.
   const auto& ties = ms->ties();
+  const bool optimizer_sums = optimizer_sums_ties(stage);
   size_t i = 0;
   for (const auto& unit : out.units) {
     for (const auto& p : unit) {
       for (const auto& copy : ties.local_copies()) {
         if (!copy.tensor.is_same(p)) continue;
         if (!ties.is_primary(copy)) out.info[i].counted_in_norm = false;
-        if (ties.optimizer_can_sum(copy.name)) {
+        if (optimizer_sums) {
           out.info[i].grad_sum_group = ms->pipeline_group();
           out.info[i].grad_sum_ranks = ties.holders(copy.name);
           out.info[i].own_bucket = true;
@@ -82,11 +85,7 @@ bool optimizer_sums_ties(pipeline::Stage& stage) {
     return !gpt->options.config().tie_embeddings() || gpt->pp_size() > 1 || gpt->num_chunks() == 1;
   }
   auto* ms = as_module_stage(stage);
-  if (ms == nullptr) return false;
-  for (const auto& copy : ms->ties().local_copies()) {
-    if (!ms->ties().optimizer_can_sum(copy.name)) return false;
-  }
-  return true;
+  return ms != nullptr && ms->ties().optimizer_can_sum();
 }
 
 void attach_stage_unit_hooks(pipeline::Stage& stage, const ModelParameters& params,

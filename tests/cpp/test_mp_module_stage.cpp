@@ -293,3 +293,33 @@ TEST_CASE("TrainingLoop trains a user's model like one rank with AdamW (ZeRO-1, 
     CHECK(losses[step] == Approx(loss.item<double>()).margin(1e-5));
   }
 }
+
+TEST_CASE("tied parameters: any number of copies, on one rank or many, end equal to their sum", "[mp][module_stage]") {
+  const int64_t world = mp::world_size();
+  auto st = mp::state(1, world, "ties_many");
+  Group ppg(*st, GroupKind::kPipeline);
+  const int64_t r = ppg.rank();
+  // "w": one copy per rank in chunk 0, and a second one on rank 0 (chunk 1); "pair": ranks 0 and p-1.
+  std::vector<pipeline::TiedCopy> copies{{"w", 0, torch::zeros({3})}};
+  if (r == 0) copies.push_back({"w", 1, torch::zeros({3})});
+  if (r == 0 || r == world - 1) copies.push_back({"pair", 0, torch::zeros({2})});
+  for (size_t i = 0; i < copies.size(); ++i) copies[i].tensor.mutable_grad() = torch::full_like(copies[i].tensor, 10 * r + i + 1);
+  pipeline::TiedParameters ties(copies, ppg.name(), 2);
+  CHECK(ties.holders("w").size() == static_cast<size_t>(world));
+  CHECK(ties.holders("pair") == std::vector<int64_t>{0, world - 1});
+  CHECK_FALSE(ties.optimizer_can_sum());  // "w" has more than two copies
+  CHECK(ties.is_primary(copies[0]) == (r == 0));
+  ties.allreduce_grads();
+  // "w": rank 0 holds 1 and 2, rank q > 0 holds 10q + 1; "pair": rank 0's third copy (3) and rank p-1's second.
+  double w = 3;
+  for (int64_t q = 1; q < world; ++q) w += 10 * q + 1;
+  const double pair = 3 + 10 * (world - 1) + 2;
+  for (const auto& c : copies) {
+    INFO(c.name << " in chunk " << c.chunk);
+    CHECK(torch::equal(c.tensor.grad(), torch::full_like(c.tensor, c.name == "w" ? w : pair)));
+  }
+  // A tie named on one stage only is refused on every rank.
+  std::vector<pipeline::TiedCopy> lonely;
+  if (r == 0) lonely.push_back({"alone", 0, torch::zeros({1})});
+  CHECK_THROWS_WITH(pipeline::TiedParameters(lonely, ppg.name(), 1), Catch::Contains("single copy"));
+}

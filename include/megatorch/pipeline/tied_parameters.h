@@ -34,13 +34,13 @@ class TiedParameters {
   // Whether this copy is the tie's first (lowest virtual stage): the one a checkpoint writes
   // and the gradient norm counts.
   bool is_primary(const TiedCopy& copy) const;
-  // Whether the tie is two copies on two pipeline ranks, one each: the optimizer can sum it
-  // after its DP reduction (ParamInfo::grad_sum_ranks) instead of allreduce_grads().
-  bool optimizer_can_sum(const std::string& name) const;
+  // Whether every tie of the pipeline (not only this rank's: the answer is the same on
+  // every rank) is two copies on two pipeline ranks, one each: then the optimizer can sum
+  // them after its DP reduction (ParamInfo::grad_sum_ranks) instead of allreduce_grads().
+  bool optimizer_can_sum() const;
 
   // Every copy's .grad set to the sum of all copies' gradients (missing ones count as zero).
-  // Skips ties the optimizer sums when `skip_optimizer_summed`.
-  void allreduce_grads(bool skip_optimizer_summed = false);
+  void allreduce_grads();
 
  private:
   struct Tie {

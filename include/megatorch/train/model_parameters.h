@@ -50,8 +50,9 @@ ModelParameters module_parameters(const std::vector<std::shared_ptr<torch::nn::M
 
 // A pipeline stage's parameters: GPT's PipelineStage as pipeline_stage_parameters; any
 // other stage as module_parameters over its chunks, with tied copies other than a tie's
-// first not counted in the norm, and ties of two copies on two pipeline ranks marked for
-// the optimizer to sum after its DP reduction (as GPT's tied embedding).
+// first not counted in the norm, and, when every tie of the pipeline is two copies on two
+// ranks, the ties marked for the optimizer to sum after its DP reduction (as GPT's tied
+// embedding).
 ModelParameters stage_parameters(pipeline::Stage& stage, const ParameterGroupingOptions& options = {});
 // Whether stage_parameters left every tie's sum to the optimizer (else call
 // Stage::allreduce_tied_grads after backward, with overlap_grad_reduce off).
