@@ -153,7 +153,7 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   // A resumed run appends to the log of the run it continues.
   if (is_logging_rank() && !o.log_json().empty()) {
     json_.open(o.log_json(), iteration_ > 0 ? std::ios::app : std::ios::trunc);
-    MEGATORCH_CHECK(json_.is_open(), "cannot open the log_json file '", o.log_json(), "': ", std::strerror(errno),
+    MEGATORCH_CHECK(json_.is_open(), "cannot open the --log-json file '", o.log_json(), "': ", std::strerror(errno),
                     "; check that its directory exists and is writable");
   }
 }
@@ -227,7 +227,7 @@ void TrainingLoop::write_log_json(const nlohmann::json& record) {
   json_.flush();
   // An append-only log is not renamed into place, but a lost line (a full disk) must
   // stop the run rather than leave a silently truncated log.
-  MEGATORCH_CHECK(json_.good(), "writing the log_json file '", options_.log_json(), "' failed: ", std::strerror(errno),
+  MEGATORCH_CHECK(json_.good(), "writing the --log-json file '", options_.log_json(), "' failed: ", std::strerror(errno),
                   "; free space (or raise the file size limit) and resume from the last checkpoint");
 }
 
