@@ -27,12 +27,14 @@
 #include "megatorch/comm/group.h"
 #include "megatorch/io/atomic_file.h"
 #include "checkpoint_dir.h"
+#include "checkpoint_metadata.h"
 
 namespace megatorch::ckpt {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace checkpoint_dir;
+using namespace checkpoint_metadata;
 
 namespace {
 
@@ -65,18 +67,6 @@ void agree(Ranks& r, const std::optional<std::string>& error, const std::string&
   MEGATORCH_CHECK(failed == 0, what, " failed on another rank (its error says why); nothing was changed here");
 }
 
-template <class F>
-std::optional<std::string> capture(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return std::string(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return std::string(e.what());
-  }
-  return std::nullopt;
-}
-
 std::vector<std::string> all_gather_strings(Ranks& r, const std::string& s) {
   if (!r.group) return {s};
   at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::kLong);
@@ -96,194 +86,6 @@ std::string rank_filename(int64_t rank) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "rank_%05lld.safetensors", static_cast<long long>(rank));
   return buf;
-}
-
-// ---- metadata
-
-json spec_json(const ShardedEntry& e) {
-  return {{"full_shape", e.spec.full_shape}, {"partition_dim", e.spec.partition_dim}, {"rank", e.spec.rank},
-          {"world", e.spec.world},           {"parts", e.spec.parts},                 {"begin", e.begin},
-          {"end", e.end < 0 ? shard_numel(e) : e.end}, {"valid_rows", e.valid_rows}};
-}
-
-// A saved piece as an entry without data (for its runs).
-ShardedEntry piece_entry(const std::string& key, const json& p) {
-  ShardedEntry e;
-  e.key = key;
-  e.spec.full_shape = p.at("full_shape").get<std::vector<int64_t>>();
-  e.spec.partition_dim = p.at("partition_dim").get<int64_t>();
-  e.spec.rank = p.at("rank").get<int64_t>();
-  e.spec.world = p.at("world").get<int64_t>();
-  e.spec.parts = p.at("parts").get<int64_t>();
-  e.begin = p.at("begin").get<int64_t>();
-  e.end = p.at("end").get<int64_t>();
-  e.valid_rows = p.at("valid_rows").get<int64_t>();
-  return e;
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-// ---- reading metadata.json: every field checked for presence and type, errors naming
-// the file and the field ("tensors['model/x'].pieces[0].world"), never a bare
-// nlohmann message.
-
-// A metadata value for an error message, cut short (a damaged file may hold anything).
-std::string show(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  return s.size() > 80 ? s.substr(0, 77) + "..." : s;
-}
-
-struct MetaFile {
-  std::string path;  // metadata.json
-
-  [[noreturn]] void fail(const std::string& where, const std::string& problem) const {
-    MEGATORCH_FAIL("checkpoint metadata '", path, "': ", where, ": ", problem,
-                   "; the file is damaged or was edited by hand (restore it from the saving run)");
-  }
-  const json& member(const json& obj, const std::string& key, const std::string& where) const {
-    if (!obj.is_object()) fail(where, "expected an object, got " + show(obj));
-    const auto it = obj.find(key);
-    if (it == obj.end()) fail(where + "." + key, "missing");
-    return *it;
-  }
-  int64_t integer(const json& obj, const std::string& key, const std::string& where) const {
-    const json& v = member(obj, key, where);
-    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX)) {
-      fail(where + "." + key, "expected an integer, got " + show(v));
-    }
-    return v.get<int64_t>();
-  }
-  std::string string(const json& obj, const std::string& key, const std::string& where) const {
-    const json& v = member(obj, key, where);
-    if (!v.is_string()) fail(where + "." + key, "expected a string, got " + show(v));
-    return v.get<std::string>();
-  }
-  std::vector<int64_t> shape(const json& obj, const std::string& key, const std::string& where) const {
-    const json& v = member(obj, key, where);
-    bool ok = v.is_array();
-    for (const auto& d : v) ok = ok && d.is_number_integer() && !(d.is_number_unsigned() && d.get<uint64_t>() > INT64_MAX);
-    if (!ok) fail(where + "." + key, "expected a list of integers, got " + show(v));
-    const auto out = v.get<std::vector<int64_t>>();
-    for (int64_t d : out) {
-      if (d < 0) fail(where + "." + key, "expected sizes >= 0, got " + show(v));
-    }
-    return out;
-  }
-  const json& array(const json& obj, const std::string& key, const std::string& where) const {
-    const json& v = member(obj, key, where);
-    if (!v.is_array()) fail(where + "." + key, "expected a list, got " + show(v));
-    return v;
-  }
-  const json& object(const json& obj, const std::string& key, const std::string& where) const {
-    const json& v = member(obj, key, where);
-    if (!v.is_object()) fail(where + "." + key, "expected an object, got " + show(v));
-    return v;
-  }
-};
-
-// A shard's file, as metadata.json names it: a plain file name inside the iteration's
-// directory. Anything else ("../x", "/abs", "sub/x") could read outside the checkpoint.
-bool plain_file_name(const std::string& f) {
-  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
-         f.find('\0') == std::string::npos;
-}
-
-// One saved piece of tensor `key` (logical `shape`) as metadata.json describes it.
-struct SavedPiece {
-  ShardedEntry entry;  // without data
-  std::string file, name;
-  at::ScalarType dtype = at::kFloat;
-};
-
-SavedPiece read_piece(const MetaFile& m, const std::string& key, const std::vector<int64_t>& shape, const json& p,
-                      const std::string& where) {
-  SavedPiece out;
-  ShardedEntry& e = out.entry;
-  e.key = key;
-  e.spec.full_shape = m.shape(p, "full_shape", where);
-  e.spec.partition_dim = m.integer(p, "partition_dim", where);
-  e.spec.rank = m.integer(p, "rank", where);
-  e.spec.world = m.integer(p, "world", where);
-  e.spec.parts = m.integer(p, "parts", where);
-  e.begin = m.integer(p, "begin", where);
-  e.end = m.integer(p, "end", where);
-  e.valid_rows = m.integer(p, "valid_rows", where);
-  out.file = m.string(p, "file", where);
-  out.name = m.string(p, "name", where);
-  const std::string dtype = m.string(p, "dtype", where);
-  if (!plain_file_name(out.file)) {
-    m.fail(where + ".file", "'" + out.file + "' leaves the checkpoint directory; expected a file name inside it "
-                            "such as rank_00000.safetensors");
-  }
-  if (auto err = capture([&] { out.dtype = scalar_type_from_safetensors(dtype); })) {
-    m.fail(where + ".dtype", without_error_prefix(*err));
-  }
-  if (auto err = capture([&] { validate_layout(e); })) m.fail(where, without_error_prefix(*err));
-  if (logical_shape(e) != shape) {
-    m.fail(where, "the piece's full_shape " + c10::str(c10::IntArrayRef(e.spec.full_shape)) + " with valid_rows " +
-                      std::to_string(e.valid_rows) + " describes another tensor than the shape " +
-                      c10::str(c10::IntArrayRef(shape)));
-  }
-  // Padding rows beyond the real ones: a vocabulary rounded up to a multiple of
-  // tp x make_vocab_size_divisible_by has far fewer. Bounding them bounds the runs
-  // entry_runs walks, so a damaged number cannot stall the load.
-  if (e.valid_rows >= 0 && e.spec.full_shape[0] - e.valid_rows > std::max<int64_t>(e.valid_rows, 1 << 20)) {
-    m.fail(where, "full_shape[0] = " + std::to_string(e.spec.full_shape[0]) + " pads valid_rows = " +
-                      std::to_string(e.valid_rows) + " beyond any real padding");
-  }
-  if (e.end < 0) e.end = shard_numel(e);
-  return out;
-}
-
-// Every rank's description -> the tensors' table, checking that the written pieces of
-// each tensor cover it exactly once.
-json assemble_tensors(const std::vector<json>& ranks) {
-  json tensors = json::object();
-  std::map<std::string, int64_t> held_by;  // keys some rank holds without writing
-  for (const auto& r : ranks) {
-    for (const auto& p : r.at("pieces")) {
-      const std::string key = p.at("key");
-      json piece = p;
-      piece.erase("key");
-      piece["file"] = r.at("file");
-      auto& t = tensors[key];
-      if (t.is_null()) t = {{"shape", p.at("shape")}, {"pieces", json::array()}};
-      MEGATORCH_CHECK(t.at("shape") == p.at("shape"), "checkpoint save: '", key, "' has shape ", t.at("shape").dump(),
-                      " on one rank and ", p.at("shape").dump(), " on rank ", r.at("rank").get<int64_t>(),
-                      "; every rank must describe the same global tensor");
-      piece.erase("shape");
-      t["pieces"].push_back(piece);
-    }
-    for (const auto& k : r.at("held")) held_by.emplace(k.get<std::string>(), r.at("rank").get<int64_t>());
-  }
-  for (const auto& [key, rank] : held_by) {
-    MEGATORCH_CHECK(tensors.contains(key), "checkpoint save: rank ", rank, " holds '", key,
-                    "' with write = false and no rank writes it; exactly one copy of each piece needs write = true");
-  }
-  for (auto& [key, t] : tensors.items()) {
-    std::vector<std::pair<Run, std::string>> runs;
-    for (const auto& p : t.at("pieces")) {
-      for (const Run& run : entry_runs(piece_entry(key, p))) runs.emplace_back(run, p.at("file").get<std::string>());
-    }
-    std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.first.global < b.first.global; });
-    int64_t next = 0;
-    for (const auto& [run, file] : runs) {
-      MEGATORCH_CHECK(run.global >= next, "checkpoint save: elements of '", key, "' from element ", run.global,
-                      " are written twice (again by ", file, "); set write = false on replicas (DP copies, "
-                      "TP-replicated tensors on tp rank > 0)");
-      MEGATORCH_CHECK(run.global == next, "checkpoint save: elements [", next, ", ", run.global, ") of '", key,
-                      "' are written by no rank; every element needs one piece with write = true");
-      next = run.global + run.length;
-    }
-    const int64_t total = numel_of(t.at("shape").get<std::vector<int64_t>>());
-    MEGATORCH_CHECK(next == total, "checkpoint save: elements [", next, ", ", total, ") of '", key,
-                    "' are written by no rank; every element needs one piece with write = true");
-  }
-  return tensors;
 }
 
 int64_t latest_iteration_noting(const std::string& dir, std::string* note);

@@ -16,12 +16,7 @@
 
 namespace megatorch::ckpt {
 
-namespace fs = std::filesystem;
-using nlohmann::json;
-using transformer::Activation;
-using transformer::Normalization;
-using transformer::Positions;
-using transformer::TransformerConfig;
+// json, fs and the TransformerConfig names come with hf_detail.
 using namespace hf_detail;
 
 bool hf_detail::llama_shaped(const TransformerConfig& c) {

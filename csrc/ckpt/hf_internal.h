@@ -15,6 +15,10 @@ namespace megatorch::ckpt::hf_detail {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
+using transformer::Activation;
+using transformer::Normalization;
+using transformer::Positions;
+using transformer::TransformerConfig;
 
 inline json read_json(const fs::path& path) {
   std::ifstream in(path);
