@@ -65,7 +65,7 @@ BucketLayout build_bucket_layout(const std::vector<std::vector<at::Tensor>>& uni
       it = open.end();
     }
     if (it == open.end()) {
-      layout.buckets.push_back(BucketPlace{u, p.scalar_type()});
+      layout.buckets.push_back(BucketPlace{u, p.scalar_type(), 0, 0, 0, {}});
       open.emplace_back(p.scalar_type(), static_cast<int64_t>(layout.buckets.size()) - 1);
       it = open.end() - 1;
     }

@@ -40,7 +40,7 @@ std::vector<pipeline::MicroBatch> MicroBatchLoader::read_host(int64_t first_samp
     const at::Tensor tokens = at::stack(rows);
     MEGATORCH_CHECK(tokens.size(1) == s + 1, "gpt_pretrain: expected samples of seq_length + 1 = ", s + 1,
                     " tokens, the dataset gives ", tokens.size(1));
-    pipeline::MicroBatch mb{at::empty({b, s}, host), at::empty({b, s}, host)};
+    pipeline::MicroBatch mb{at::empty({b, s}, host), at::empty({b, s}, host), {}};
     mb.ids.copy_(tokens.narrow(1, 0, s));
     mb.labels.copy_(tokens.narrow(1, 1, s));
     out.push_back(std::move(mb));

@@ -29,30 +29,14 @@ ModelParameters gpt_model_parameters(const std::vector<models::GPTModel>& chunks
 }
 
 bool optimizer_sums_tied_embedding(const pipeline::PipelineStage& stage) {
-  return stage->options.config().tie_embeddings() && stage->pp_size() > 1;
+  return !stage->ties().empty() && stage->ties().optimizer_can_sum();
 }
 
 ModelParameters pipeline_stage_parameters(const pipeline::PipelineStage& stage) {
   std::vector<models::GPTModel> chunks;
   for (int64_t c = 0; c < stage->num_chunks(); ++c) chunks.push_back(stage->chunk(c));
   ModelParameters out = gpt_model_parameters(chunks);
-  if (!optimizer_sums_tied_embedding(stage)) return out;
-  const int64_t first = 0, last = stage->pp_size() - 1;
-  at::Tensor tied;
-  if (stage->pp_rank() == first) tied = stage->chunk(0)->embedding->weight;
-  if (stage->pp_rank() == last) tied = stage->chunk(stage->num_chunks() - 1)->output_layer;
-  if (!tied.defined()) return out;  // a middle stage
-  size_t i = 0;
-  for (const auto& unit : out.units) {
-    for (const auto& p : unit) {
-      if (p.is_same(tied)) {
-        out.info[i].grad_sum_group = stage->options.pp_group();
-        out.info[i].grad_sum_ranks = {first, last};
-        out.info[i].own_bucket = true;
-      }
-      ++i;
-    }
-  }
+  apply_ties(out, *stage);
   return out;
 }
 

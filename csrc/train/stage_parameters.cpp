@@ -56,37 +56,34 @@ ModelParameters stage_parameters(pipeline::Stage& stage, const ParameterGrouping
   std::vector<std::shared_ptr<torch::nn::Module>> chunks;
   for (int64_t c = 0; c < ms->num_chunks(); ++c) chunks.push_back(ms->chunk_module(c));
   ModelParameters out = module_parameters(chunks, o);
-  // Ties: only a tie's first copy counts in the norm. When every tie is two copies on two
-  // ranks the optimizer sums them after its DP reduction (each alone in its bucket,
-  // sharded alike); otherwise all of them are summed on .grad (Stage::allreduce_tied_grads),
-  // never some twice.
-  const auto& ties = ms->ties();
-  const bool optimizer_sums = optimizer_sums_ties(stage);
+  apply_ties(out, stage);
+  return out;
+}
+
+void apply_ties(ModelParameters& params, const pipeline::Stage& stage) {
+  const auto& ties = stage.ties();
+  // When every tie is two copies on two ranks the optimizer sums them after its DP
+  // reduction (each alone in its bucket, sharded alike); otherwise all of them are summed
+  // on .grad (Stage::allreduce_tied_grads), never some twice.
+  const bool optimizer_sums = ties.optimizer_can_sum();
   size_t i = 0;
-  for (const auto& unit : out.units) {
+  for (const auto& unit : params.units) {
     for (const auto& p : unit) {
       for (const auto& copy : ties.local_copies()) {
         if (!copy.tensor.is_same(p)) continue;
-        if (!ties.is_primary(copy)) out.info[i].counted_in_norm = false;
+        if (!ties.is_primary(copy)) params.info[i].counted_in_norm = false;
         if (optimizer_sums) {
-          out.info[i].grad_sum_group = ms->pipeline_group();
-          out.info[i].grad_sum_ranks = ties.holders(copy.name);
-          out.info[i].own_bucket = true;
+          params.info[i].grad_sum_group = stage.pipeline_group();
+          params.info[i].grad_sum_ranks = ties.holders(copy.name);
+          params.info[i].own_bucket = true;
         }
       }
       ++i;
     }
   }
-  return out;
 }
 
-bool optimizer_sums_ties(pipeline::Stage& stage) {
-  if (auto* gpt = as_gpt_stage(stage)) {
-    return !gpt->options.config().tie_embeddings() || gpt->pp_size() > 1 || gpt->num_chunks() == 1;
-  }
-  auto* ms = as_module_stage(stage);
-  return ms != nullptr && ms->ties().optimizer_can_sum();
-}
+bool optimizer_sums_ties(pipeline::Stage& stage) { return stage.ties().optimizer_can_sum(); }
 
 void attach_stage_unit_hooks(pipeline::Stage& stage, const ModelParameters& params,
                              optim::DistributedOptimizer& optimizer) {

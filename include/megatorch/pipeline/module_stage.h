@@ -94,7 +94,7 @@ class ModuleStageImpl : public torch::nn::Cloneable<ModuleStageImpl>, public Sta
   torch::nn::AnyModule& chunk(int64_t c) { return chunks_.at(c); }
   std::shared_ptr<tp::RngTracker> rng_tracker() const override { return options.rng(); }
 
-  const TiedParameters& ties() const { return ties_; }
+  const TiedParameters& ties() const override { return ties_; }
   // Chunk `c`'s parameter `local_name` as the whole model calls it: the top-level
   // ModuleLists' elements renumbered from the number of elements the same list has in
   // the virtual stages before (as GPT's global layer index), a tied parameter by its

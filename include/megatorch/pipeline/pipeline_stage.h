@@ -57,7 +57,7 @@ class PipelineStageImpl : public torch::nn::Cloneable<PipelineStageImpl>, public
   // of it get the sum of both gradients (a p2p exchange between pp ranks 0 and p-1).
   void allreduce_tied_embedding_grads() { allreduce_tied_grads(); }
   void allreduce_tied_grads() override { ties_.allreduce_grads(); }
-  const TiedParameters& ties() const { return ties_; }
+  const TiedParameters& ties() const override { return ties_; }
   // Under SP, each chunk's partial gradients summed over the TP group.
   void allreduce_sequence_parallel_grads() override;
   void set_unit_hooks(int64_t chunk, std::shared_ptr<models::UnitHooks> hooks, int64_t first_unit,

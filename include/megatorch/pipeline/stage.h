@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "megatorch/models/unit_hooks.h"
+#include "megatorch/pipeline/tied_parameters.h"
 
 namespace torch::nn {
 class Module;
@@ -77,6 +78,8 @@ class Stage {
   // the model averages (GPT: its non-ignored tokens). The executor averages micro-batches.
   virtual at::Tensor micro_batch_loss(const at::Tensor& output, const MicroBatch& micro_batch) = 0;
 
+  // The parameters this stage shares with others, as one TiedParameters (empty without).
+  virtual const TiedParameters& ties() const = 0;
   // Gradients of parameters this stage shares with others (GPT's tied embedding, any
   // user-declared tie) summed over all copies. Call after the step's backward, unless the
   // optimizer was told to sum them (train::stage_parameters marks them).

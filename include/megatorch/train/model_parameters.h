@@ -54,6 +54,10 @@ ModelParameters module_parameters(const std::vector<std::shared_ptr<torch::nn::M
 // ranks, the ties marked for the optimizer to sum after its DP reduction (as GPT's tied
 // embedding).
 ModelParameters stage_parameters(pipeline::Stage& stage, const ParameterGroupingOptions& options = {});
+// A stage's ties applied to its chunks' grouping: copies other than a tie's first not
+// counted in the norm; when every tie of the pipeline is two copies on two ranks, each
+// copy marked for the optimizer to sum over the pipeline group (its own bucket).
+void apply_ties(ModelParameters& params, const pipeline::Stage& stage);
 // Whether stage_parameters left every tie's sum to the optimizer (else call
 // Stage::allreduce_tied_grads after backward, with overlap_grad_reduce off).
 bool optimizer_sums_ties(pipeline::Stage& stage);
