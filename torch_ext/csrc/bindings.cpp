@@ -5,7 +5,8 @@
 // the C++ module (parameters, train/eval, to(), hooks); state_dict/load_state_dict are
 // bound here, as the wrapper cannot walk C++ children itself.
 // A group is a registered c10d group's name or a torch.distributed group; "" or None
-// means no tensor parallelism.
+// means no tensor parallelism (for TransformerConfig.context_parallel_group: no context
+// parallelism).
 #include <megatorch/megatorch.h>
 #include <torch/python.h>
 
@@ -28,10 +29,12 @@ std::vector<tf::Normalization> values(tf::Normalization) { return {tf::Normaliza
 std::vector<tf::Activation> values(tf::Activation) { return {tf::Activation::kGeluTanh, tf::Activation::kSwiGLU}; }
 std::vector<tf::Positions> values(tf::Positions) { return {tf::Positions::kLearned, tf::Positions::kRope}; }
 std::vector<tf::Recompute> values(tf::Recompute) { return {tf::Recompute::kNone, tf::Recompute::kSelective, tf::Recompute::kFull}; }
+std::vector<tf::CpCommType> values(tf::CpCommType) { return {tf::CpCommType::kP2P, tf::CpCommType::kA2A}; }
 
 template <class T>
 constexpr bool is_config_enum = std::is_same_v<T, tf::Normalization> || std::is_same_v<T, tf::Activation> ||
-                                std::is_same_v<T, tf::Positions> || std::is_same_v<T, tf::Recompute>;
+                                std::is_same_v<T, tf::Positions> || std::is_same_v<T, tf::Recompute> ||
+                                std::is_same_v<T, tf::CpCommType>;
 
 std::string lower(std::string s) {
   for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
@@ -70,6 +73,15 @@ py::object to_py(const T& v) {
   }
 }
 
+// A group given as a name, a torch.distributed ProcessGroup (its group_name) or None.
+std::string group_name(const py::object& group) {
+  if (group.is_none()) return "";
+  if (py::isinstance<py::str>(group)) return group.cast<std::string>();
+  if (py::hasattr(group, "group_name")) return group.attr("group_name").cast<std::string>();
+  throw py::type_error("megatorch: expected a group name (str), a torch.distributed ProcessGroup or None, got " +
+                       py::str(py::type::of(group)).cast<std::string>());
+}
+
 struct Field {
   std::string name;
   std::function<py::object(const Config&)> get;
@@ -86,6 +98,22 @@ Field field(const char* name, Get get, Set set) {
 #define MT_FIELD(name) \
   field(#name, [](const Config& c) { return c.name(); }, [](Config& c, const auto& v) { c.name(v); })
 
+// A group field: set from a name, a ProcessGroup or None (stored as its registered name,
+// "" for None), read back as the name, so to_dict() and pickling stay plain strings.
+Field group_field(const char* name, std::function<const std::string&(const Config&)> get,
+                  std::function<void(Config&, std::string)> set) {
+  return {name, [get](const Config& c) { return py::object(py::str(get(c))); },
+          [set, name = std::string(name)](Config& c, const py::handle& v) {
+            try {
+              set(c, group_name(py::reinterpret_borrow<py::object>(v)));
+            } catch (const py::builtin_exception&) {  // group_name's type_error, a cast_error
+              throw py::type_error("TransformerConfig." + name + ": expected a group name (str), a " +
+                                   "torch.distributed ProcessGroup or None, got " +
+                                   py::str(py::type::of(v)).cast<std::string>());
+            }
+          }};
+}
+
 // Every field of TransformerConfig, in declaration order (config.h documents each).
 const std::vector<Field>& fields() {
   static const std::vector<Field> all = {
@@ -96,7 +124,12 @@ const std::vector<Field>& fields() {
       MT_FIELD(position_embedding_type), MT_FIELD(rotary_base), MT_FIELD(attention_dropout),
       MT_FIELD(hidden_dropout), MT_FIELD(add_bias_linear), MT_FIELD(add_qkv_bias),
       MT_FIELD(tie_embeddings), MT_FIELD(sliding_window), MT_FIELD(causal_attention),
-      MT_FIELD(sequence_parallel), MT_FIELD(recompute), MT_FIELD(params_dtype),
+      MT_FIELD(sequence_parallel),
+      group_field(
+          "context_parallel_group",
+          [](const Config& c) -> const std::string& { return c.context_parallel_group(); },
+          [](Config& c, std::string g) { c.context_parallel_group(std::move(g)); }),
+      MT_FIELD(cp_comm_type), MT_FIELD(recompute), MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
       MT_FIELD(shard_local_init), MT_FIELD(fused_kernels),
   };
@@ -130,15 +163,6 @@ std::string repr(const Config& c) {
     out << (i ? ", " : "") << fields()[i].name << "=" << py::repr(fields()[i].get(c)).cast<std::string>();
   }
   return out.str() + ")";
-}
-
-// A group given as a name, a torch.distributed ProcessGroup (its group_name) or None.
-std::string group_name(const py::object& group) {
-  if (group.is_none()) return "";
-  if (py::isinstance<py::str>(group)) return group.cast<std::string>();
-  if (py::hasattr(group, "group_name")) return group.attr("group_name").cast<std::string>();
-  throw py::type_error("megatorch: expected a group name (str), a torch.distributed ProcessGroup or None, got " +
-                       py::str(py::type::of(group)).cast<std::string>());
 }
 
 // Dropout streams for a layer built on its own, seeded as GPTModel seeds its own
@@ -210,8 +234,10 @@ PYBIND11_MODULE(_cpp, m) {
                      "The one description of a GPT-style model (include/megatorch/transformer/config.h).\n"
                      "Every field is a keyword argument and an attribute; enums are strings:\n"
                      "normalization 'LayerNorm'|'RMSNorm', activation 'gelu_tanh'|'swiglu',\n"
-                     "position_embedding_type 'learned_absolute'|'rope', recompute 'none'|'selective'|'full';\n"
-                     "params_dtype a torch.dtype, device a torch.device or a string.");
+                     "position_embedding_type 'learned_absolute'|'rope', recompute 'none'|'selective'|'full',\n"
+                     "cp_comm_type 'p2p'|'a2a'; params_dtype a torch.dtype, device a torch.device or a string;\n"
+                     "context_parallel_group a group name, a torch.distributed ProcessGroup or None (read back as\n"
+                     "its name, '' for none).");
   config.def(py::init([](const py::kwargs& kwargs) {
         Config c;
         set_fields(c, kwargs);
@@ -225,7 +251,8 @@ PYBIND11_MODULE(_cpp, m) {
            },
            "A copy with the given fields changed.")
       .def("to_dict", &as_dict, "{field: value} for every field (the keyword arguments that rebuild it)")
-      .def("validate", &Config::validate, py::arg("tp_size") = 1, "Every constraint against a TP size.")
+      .def("validate", &Config::validate, py::arg("tp_size") = 1, py::arg("cp_size") = 1,
+           "Every constraint against a TP (and CP) size.")
       .def_property_readonly("head_dim", &Config::head_dim)
       .def_property_readonly("ffn", &Config::ffn, "ffn_hidden_size, or its default when 0")
       .def_property_readonly("query_groups", &Config::query_groups)
@@ -362,4 +389,12 @@ PYBIND11_MODULE(_cpp, m) {
   m.def("rope_frequencies", &tf::rope_frequencies, py::arg("seq_length"), py::arg("head_dim"),
         py::arg("base") = 10000.0, py::arg("device") = c10::Device(c10::kCPU),
         "RoPE angles [s, 1, 1, head_dim] for TransformerLayer/ParallelAttention.forward(x, rope_freqs)");
+
+  // Context parallelism's layout (include/megatorch/transformer/context_parallel.h).
+  m.def("context_parallel_positions", &tf::context_parallel_positions, py::arg("seq_length"), py::arg("cp_size"),
+        py::arg("cp_rank"), py::arg("device") = c10::Device(c10::kCPU),
+        "The global positions of CP rank cp_rank's tokens, in local order (int64 [seq_length / cp_size]): the\n"
+        "sequence is cut into 2 cp_size chunks and rank r holds chunks r and 2 cp_size - 1 - r.");
+  m.def("context_parallel_slice", &tf::context_parallel_slice, py::arg("x"), py::arg("dim"), py::arg("cp_size"),
+        py::arg("cp_rank"), "The part of x (of size seq_length along dim) that CP rank cp_rank holds, in local order.");
 }

@@ -15,6 +15,11 @@ with ``torch::python::bind_module``: each is a ``torch.nn.Module`` delegating to
 module (its parameters are the C++ tensors). A ``group`` is a c10d group's registered
 name or a ``torch.distributed`` group; ``None`` means no tensor parallelism.
 
+Context parallelism: ``TransformerConfig(context_parallel_group=cp_group, cp_comm_type="p2p")``
+(or ``"a2a"``) makes every layer take its CP rank's share of each sequence, [s/c, b, h];
+``context_parallel_positions`` and ``context_parallel_slice`` give that share
+(include/megatorch/transformer/context_parallel.h).
+
 The extension (``_cpp<EXT_SUFFIX>``) is built next to ``libmegatorch.so`` and taken from
 the same place as the library: the folder of ``$MEGATORCH_LIBRARY``, this package's
 ``lib/``, or the repository's ``build/lib``.
@@ -67,6 +72,8 @@ TransformerLayer = _cpp.TransformerLayer
 ParallelAttention = _cpp.ParallelAttention
 ParallelMLP = _cpp.ParallelMLP
 rope_frequencies = _cpp.rope_frequencies
+context_parallel_positions = _cpp.context_parallel_positions
+context_parallel_slice = _cpp.context_parallel_slice
 checkpoint_config = _cpp.checkpoint_config
 
 
@@ -95,4 +102,5 @@ for _cls in (GPTModel, TransformerLayer, ParallelAttention, ParallelMLP):
     _cls.__doc__ = getattr(_cpp.cpp, _cls.__name__).__init__.__doc__
 
 __all__ = ["TransformerConfig", "GPTModel", "TransformerLayer", "ParallelAttention", "ParallelMLP",
-           "rope_frequencies", "save_checkpoint", "load_checkpoint", "checkpoint_config", "extension_path"]
+           "rope_frequencies", "context_parallel_positions", "context_parallel_slice", "save_checkpoint",
+           "load_checkpoint", "checkpoint_config", "extension_path"]
