@@ -14,6 +14,13 @@ With torchrun, t = 2 runs on the pairs [0,1] and [2,3], t = 4 on every rank; ran
 prints. Run with MEGATORCH_LIBRARY pointing at the build's libmegatorch.so (or from a
 repository whose build/lib holds it).
 
+    torchrun --nproc-per-node=4 scripts/activation_memory.py --cp      # context parallelism
+
+--cp measures context parallelism instead: c = 1, 2, 4 (the CP group = c ranks one TP
+stride apart, Megatron's tp-cp order), t = 1 and t = 2 with SP, both comm types, attention
+dropout 0 (CP refuses it), each rank's layer input [S/c, b, h] ([S/(c·t), b, h] under SP).
+Every row must equal the c = 1 row / c plus the terms `cp_differences` names, exactly.
+
 The formulas assume 16-bit activations and 1-byte dropout masks; we run fp32 on CPU.
 `korthikanti_bytes(..., act_bytes=4, mask_bytes=M)` is the same count of tensors in fp32,
 with M the bytes of a dropout mask as this device keeps it (CPU: at::dropout keeps the
@@ -55,41 +62,76 @@ class Measurement:
     storages: List[tuple] = field(default_factory=list)  # (bytes, shape, dtype, producer)
 
 
-def layer_config(shape: Shape, setting: str, dropout: float, fused: bool = False) -> "mt.TransformerConfig":
+def layer_config(shape: Shape, setting: str, dropout: float, fused: bool = False, cp_group=None,
+                 cp_comm_type: str = "p2p", attention_dropout=None) -> "mt.TransformerConfig":
     """Korthikanti's GPT layer: LayerNorm, GeLU, biases, MHA; `setting` picks SP and recompute.
     The tables measure the unfused layer (fused_kernels=False: every saved tensor is an ATen
     op's, as the differences below explain them); the fused layer keeps the same tensors but
-    its hidden-dropout masks, 1-byte bools (fused_hidden_mask_saving)."""
+    its hidden-dropout masks, 1-byte bools (fused_hidden_mask_saving). `dropout` is the
+    hidden dropout and, unless `attention_dropout` is given, the attention dropout too.
+    `cp_group`: the context-parallel group (a name or ProcessGroup; None: no CP), whose
+    size c splits every sequence (S = shape.s, each rank holding S/c tokens); CP refuses
+    attention dropout."""
     recompute = "selective" if "selective" in setting else "full" if "full" in setting else "none"
     return mt.TransformerConfig(hidden_size=shape.h, num_attention_heads=shape.a, seq_length=shape.s,
-                                hidden_dropout=dropout, attention_dropout=dropout, recompute=recompute,
-                                sequence_parallel=setting.startswith("tp+sp"), seed=1234, fused_kernels=fused)
+                                hidden_dropout=dropout,
+                                attention_dropout=dropout if attention_dropout is None else attention_dropout,
+                                recompute=recompute, sequence_parallel=setting.startswith("tp+sp"), seed=1234,
+                                fused_kernels=fused, context_parallel_group=cp_group, cp_comm_type=cp_comm_type)
 
 
-def measure_layer(config, batch: int, group=None, tp_size: int = 1) -> Measurement:
-    """Bytes saved for backward by one TransformerLayer forward in training mode."""
+class _SavedStorages:
+    """saved_tensors_hooks that count every saved storage once, parameters (and `skip`) left out."""
+
+    def __init__(self, skip, inputs):
+        self.out, self.seen, self.skip, self.inputs = Measurement(), set(), set(skip), inputs
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() > 0 and ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            producer = next((name for name, x in self.inputs.items() if x.untyped_storage().data_ptr() == ptr), None)
+            producer = producer or (type(t.grad_fn).__name__ if t.grad_fn else "no grad_fn")
+            self.out.storages.append((storage.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""), producer))
+            self.out.bytes += storage.nbytes()
+        return t
+
+    def hooks(self):
+        return saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def measure_layer(config, batch: int, group=None, tp_size: int = 1, cp_size: int = 1) -> Measurement:
+    """Bytes saved for backward by one TransformerLayer forward in training mode. With
+    context parallelism (config.context_parallel_group of size cp_size) the layer input is
+    this rank's S/c tokens, [S/c, b, h] ([S/(c·t), b, h] under SP)."""
     layer = mt.TransformerLayer(config, group)
     layer.train()
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    s = config.seq_length // tp_size if config.sequence_parallel else config.seq_length
+    s = config.seq_length // cp_size
+    s = s // tp_size if config.sequence_parallel else s
     x = torch.randn(s, batch, config.hidden_size, requires_grad=True)
-    out = Measurement()
-    seen = set()
-
-    def pack(t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if storage.nbytes() > 0 and ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            producer = "layer input" if t is x else type(t.grad_fn).__name__ if t.grad_fn else "no grad_fn"
-            out.storages.append((storage.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""), producer))
-            out.bytes += storage.nbytes()
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
+    saved = _SavedStorages(params, {"layer input": x})
+    with saved.hooks():
         y = layer(x)
     y.sum().backward()  # the saved graph is a complete, working one
-    return out
+    return saved.out
+
+
+def measure_core_attention(config, batch: int, group=None, tp_size: int = 1, cp_size: int = 1) -> Measurement:
+    """Bytes saved for backward by the core attention alone (ParallelAttention.core_attention:
+    SDPA, or context_parallel_attention under CP) on this rank's q, k, v [S/c, b, a/t, d],
+    which are views of one fused QKV tensor as in the layer (its storage counts once)."""
+    attention = mt.ParallelAttention(config, group)
+    attention.train()
+    s, heads, d = config.seq_length // cp_size, config.num_attention_heads // tp_size, config.head_dim
+    qkv = torch.randn(s, batch, heads, 3, d, requires_grad=True)
+    q, k, v = qkv.unbind(3)
+    saved = _SavedStorages({p.untyped_storage().data_ptr() for p in attention.parameters()}, {"q, k, v": qkv})
+    with saved.hooks():
+        out = attention.core_attention(q, k, v)
+    out.sum().backward()
+    return saved.out
 
 
 # ---- Korthikanti et al. 2022, term by term (per rank, per layer)
@@ -137,10 +179,14 @@ DIFFERENCES = {
 
 
 def megatorch_differences(setting: str, shape: Shape, t: int, act_bytes: int, mask_bytes: int,
-                          attention: str) -> dict:
+                          attention: str, hidden_masks=None) -> dict:
     """What megatorch keeps beyond (or short of) the paper's count, {code: bytes}, each exact.
     attention: "math" (SDPA's math path: CPU with attention dropout) or "flash" (CPU
-    flash attention without dropout; it stores no s^2 tensor)."""
+    flash attention without dropout, or the ring under context parallelism; it stores no
+    s^2 tensor). hidden_masks: whether the hidden dropouts keep masks (default: with the
+    math path only, where both dropouts share one probability)."""
+    if hidden_masks is None:
+        hidden_masks = attention == "math"
     s, b, h, a = shape.s, shape.b, shape.h, shape.a
     u, A = shape.sbh, a * s * s * b
     E = act_bytes
@@ -158,17 +204,60 @@ def megatorch_differences(setting: str, shape: Shape, t: int, act_bytes: int, ma
             # Q and K are held twice.
             d["Q"] = 2 * E * u / t
     else:
-        # No dropout: no masks; flash attention keeps no s^2 tensor, only its log-sum-exp
-        # per query (which selective recompute drops with the rest).
-        d["D"] = -2 * mask_bytes * u / (t if sp else 1)
+        # No attention dropout: flash attention keeps no s^2 tensor, only its log-sum-exp
+        # per query (which selective recompute drops with the rest); no hidden dropout, no masks.
+        if not hidden_masks:
+            d["D"] = -2 * mask_bytes * u / (t if sp else 1)
         if "selective" not in setting:
             d["F"] = -(2 * E + mask_bytes) * A / t + 4 * a * s * b / t
     return d
 
 
-def megatorch_bytes(setting, shape, t, act_bytes, mask_bytes, attention) -> float:
+def megatorch_bytes(setting, shape, t, act_bytes, mask_bytes, attention, hidden_masks=None) -> float:
     return korthikanti_bytes(setting, shape, t, act_bytes, mask_bytes) + sum(
-        megatorch_differences(setting, shape, t, act_bytes, mask_bytes, attention).values())
+        megatorch_differences(setting, shape, t, act_bytes, mask_bytes, attention, hidden_masks).values())
+
+
+def cp_shape(shape: Shape, c: int) -> Shape:
+    """What one CP rank of c holds of a sequence of shape.s tokens: shape.s / c of them."""
+    assert shape.s % (2 * c) == 0, (shape, c)
+    return Shape(shape.s // c, shape.b, shape.h, shape.a)
+
+
+# What a layer keeps under context parallelism beyond the c = 1 layer's bytes / c.
+CP_DIFFERENCES = {
+    "O": "the attention output held twice: the CP attention's [b, a/t, S/c, d] and the output projection's "
+         "[S/c, b, h/t] copy of it (at c = 1 the projection's input is a view of SDPA's output)",
+    "I": "Ulysses: its two int64 token-order indices over the whole sequence, 8·S bytes each",
+}
+
+
+def cp_differences(setting: str, shape: Shape, t: int, c: int, act_bytes: int, comm: str) -> dict:
+    """What one layer keeps per rank at CP c beyond (the c = 1 layer's bytes) / c, {code: bytes},
+    each exact (shape.s = S, the whole sequence). Without recompute only: selective recompute
+    replays the core attention (the CP attention included) and full recompute the layer, so
+    neither keeps anything the core attention saves; what is left is ÷ c exactly.
+    O: the ring keeps its output [b, a/t, S/c, d] contiguous for its backward, so the layer's
+    permute to [S/c, b, h/t] for the output projection is a copy, which the projection keeps;
+    SDPA's CPU flash kernel lays its output out like q (a view of megatorch's [s, b, ...] QKV
+    output), so at c = 1 the projection's input is a view of it. Ulysses' all-to-all back
+    returns [b, a/t, S/c, d] too. I: Ulysses' index_select saves its index, the int64 token
+    order `natural` (for q, k, v) and `order` (for the output), S entries each, neither ÷ c nor ÷ t."""
+    if c == 1 or "selective" in setting or "full" in setting:
+        return {}
+    d = {"O": act_bytes * shape.sbh / (c * t)}
+    if comm == "a2a":
+        d["I"] = 2 * 8 * shape.s
+    return d
+
+
+def megatorch_cp_bytes(setting, shape, t, c, act_bytes, mask_bytes, comm="p2p", hidden_masks=True) -> float:
+    """One layer's saved bytes per rank under context parallelism of size c (attention
+    dropout 0, as CP requires): the count at c = 1 (flash attention, no s^2 term) for the
+    rank's S/c tokens — every term of it is linear in s, so it is the c = 1 count / c — plus
+    cp_differences."""
+    return megatorch_bytes(setting, cp_shape(shape, c), t, act_bytes, mask_bytes, "flash", hidden_masks) + sum(
+        cp_differences(setting, shape, t, c, act_bytes, comm).values())
 
 
 def fused_hidden_mask_saving(setting: str, shape: Shape, t: int, mask_bytes: int, dropout: float) -> int:
@@ -265,12 +354,148 @@ def breakdown(row) -> str:
     return "\n".join(lines)
 
 
+# ---- context parallelism
+
+CP_SETTINGS = {1: ["none", "selective", "full"], 2: ["tp+sp", "tp+sp+selective", "tp+sp+full"]}  # by t
+CP_SHAPE = Shape(512, 1, 256, 8)
+
+
+def cp_layouts(world: int, rank: int) -> dict:
+    """(t, c) -> (this rank's TP group, its CP group) for every t·c dividing the world, in
+    Megatron's tp-cp order: a TP group is t consecutive ranks, a CP group the c ranks one
+    TP stride apart. Every rank creates every group, in the same order."""
+    out = {(1, 1): (None, None)}
+    for t in [1, 2, 4, 8]:
+        for c in [1, 2, 4, 8]:
+            if (t, c) == (1, 1) or t * c > world or world % (t * c):
+                continue
+            tp_groups = {tuple(range(i, i + t)): dist.new_group(list(range(i, i + t))) for i in range(0, world, t)}
+            cp_groups = {}
+            for base in range(0, world, t * c):
+                for tp_rank in range(t):
+                    ranks = tuple(base + tp_rank + t * j for j in range(c))
+                    cp_groups[ranks] = dist.new_group(list(ranks))
+            mine = lambda groups: next(g for ranks, g in groups.items() if rank in ranks)  # noqa: E731
+            out[(t, c)] = (mine(tp_groups) if t > 1 else None, mine(cp_groups) if c > 1 else None)
+    return out
+
+
+def measure_cp(shape: Shape, setting: str, t: int, c: int, layouts: dict, comm: str = "p2p",
+               hidden_dropout: float = 0.1) -> Measurement:
+    """One layer's saved bytes per rank at TP t and CP c (attention dropout 0); c = 1: no CP group."""
+    tp_group, cp_group = layouts[(t, c)]
+    config = layer_config(shape, setting, hidden_dropout, cp_group=cp_group, cp_comm_type=comm, attention_dropout=0.0)
+    return measure_layer(config, shape.b, tp_group, t, c)
+
+
+def measure_cp_attention(shape: Shape, c: int, layouts: dict, comm: str = "p2p") -> Measurement:
+    """The core attention's saved bytes per rank at CP c, t = 1 (c = 1: SDPA without a CP group)."""
+    config = layer_config(shape, "none", 0.0, cp_group=layouts[(1, c)][1], cp_comm_type=comm)
+    return measure_core_attention(config, shape.b, None, 1, c)
+
+
+def run_cp(shape: Shape, layouts: dict, mask_bytes: int):
+    """Rows (t, c, comm, setting): measured, the explained count at S/c, the c = 1 measurement."""
+    rows = []
+    for (t, c) in sorted(layouts):
+        if t not in CP_SETTINGS:
+            continue
+        for comm in (["p2p", "a2a"] if c > 1 else ["-"]):
+            if comm == "a2a" and (shape.a // t) % c:
+                continue
+            for setting in CP_SETTINGS[t]:
+                kind = "p2p" if comm == "-" else comm
+                m = measure_cp(shape, setting, t, c, layouts, kind)
+                rows.append(dict(t=t, c=c, comm=comm, setting=setting, measured=m.bytes, storages=m.storages,
+                                 model=megatorch_cp_bytes(setting, shape, t, c, 4, mask_bytes, kind),
+                                 diffs=cp_differences(setting, shape, t, c, 4, kind)))
+    base = {(r["t"], r["setting"]): r["measured"] for r in rows if r["c"] == 1}
+    for r in rows:
+        r["c1"] = base[(r["t"], r["setting"])]
+    attention = []
+    for c in sorted(c for (t, c) in layouts if t == 1):
+        for comm in (["p2p", "a2a"] if c > 1 else ["-"]):
+            if comm == "a2a" and shape.a % c:
+                continue
+            m = measure_cp_attention(shape, c, layouts, "p2p" if comm == "-" else comm)
+            attention.append(dict(c=c, comm=comm, measured=m.bytes, storages=m.storages))
+    return rows, attention
+
+
+def cp_label(setting):
+    return {"none": "no recompute", "selective": "selective", "full": "full recompute", "tp+sp": "TP + SP",
+            "tp+sp+selective": "TP + SP + selective", "tp+sp+full": "TP + SP + full"}[setting]
+
+
+def cp_markdown(shape: Shape, rows, attention) -> str:
+    out = [f"(s, b, h, a) = ({shape.s}, {shape.b}, {shape.h}, {shape.a}): S = {shape.s} tokens per sequence, "
+           f"each CP rank holding S/c; hidden dropout 0.1, attention dropout 0. 'c = 1 / c': the c = 1 "
+           f"measurement (same t, same setting, no CP group) divided by c.", "",
+           "| t | c | comm | setting | measured | c = 1 / c | measured − c = 1 / c, term by term "
+           "| (c = 1) / measured "
+           "| explained count exact |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        exact = "yes" if r["measured"] == round(r["model"]) else f"NO, off by {r['measured'] - r['model']:.0f} B"
+        terms = ", ".join(f"{k} +{fmt_bytes(v)}" for k, v in r["diffs"].items()) or "0"
+        if r["measured"] * r["c"] != r["c1"] + r["c"] * sum(r["diffs"].values()):
+            terms += " (NO: the c = 1 row / c and these terms do not add up)"
+        out.append(f"| {r['t']} | {r['c']} | {r['comm']} | {cp_label(r['setting'])} | {fmt_bytes(r['measured'])} "
+                   f"| {fmt_bytes(r['c1'] / r['c'])} | {terms} | {r['c1'] / r['measured']:.3f} | {exact} |")
+    out += ["", "The core attention alone (t = 1; its input q, k, v: views of one [S/c, b, a, 3, d] tensor):", "",
+            "| c | comm | saved storages (bytes, shape, dtype, made by) | total | total · c |",
+            "|---|---|---|---|---|"]
+    for r in attention:
+        parts = "; ".join(f"{fmt_bytes(n)} {list(sh)} {dt} ({who})" for n, sh, dt, who in r["storages"])
+        out.append(f"| {r['c']} | {r['comm']} | {parts} | {fmt_bytes(r['measured'])} "
+                   f"| {fmt_bytes(r['measured'] * r['c'])} |")
+    return "\n".join(out)
+
+
+def main_cp(args, rank, world):
+    layouts = cp_layouts(world, rank) if world > 1 else {(1, 1): (None, None)}
+    shape = CP_SHAPE
+    rows, attention = run_cp(shape, layouts, dropout_mask_bytes(torch.device("cpu")))
+    text = [f"Measured on CPU, fp32, torch {torch.__version__}, {world} ranks; context parallelism "
+            f"c = {', '.join(sorted({str(r['c']) for r in rows}))}.", "", cp_markdown(shape, rows, attention)]
+    if rank == 0:
+        report = "\n".join(text)
+        print(report)
+        if args.breakdown:
+            for r in rows:
+                if r["t"] == 1 and r["setting"] == "none" and r["comm"] in ("-", "p2p"):
+                    print(f"\nsaved storages, t = 1, c = {r['c']}, no recompute:")
+                    for nbytes, sh, dtype, producer in r["storages"]:
+                        print(f"  {nbytes:10d} B  {str(list(sh)):18s} {dtype:8s} {producer}")
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(report + "\n")
+    bad = [r for r in rows if r["measured"] != round(r["model"])
+           or r["measured"] * r["c"] != r["c1"] + r["c"] * sum(r["diffs"].values())]
+    return bad
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the markdown tables to this file")
     parser.add_argument("--breakdown", action="store_true", help="print every saved storage of the t-max rows")
+    parser.add_argument("--cp", action="store_true",
+                        help="measure context parallelism instead: c = 1, 2, 4 (as the world allows), t = 1 and 2")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    if args.cp:
+        rank, world = 0, 1
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+            world, rank = dist.get_world_size(), dist.get_rank()
+        bad = main_cp(args, rank, world)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        if bad:
+            print(f"rank {rank}: {len(bad)} CP measurements differ from the explained count or c = 1 / c",
+                  file=sys.stderr)
+            sys.exit(1)
+        return
 
     rank = 0
     groups = {1: None}  # t -> the TP group this rank measures with

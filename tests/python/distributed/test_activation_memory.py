@@ -109,3 +109,91 @@ def test_fused_layer_keeps_the_same_tensors_but_1_byte_hidden_masks(dropout):
             assert plain.bytes - fused.bytes == saving, (setting, tp, fused.storages)
             bools = [st for st in fused.storages if st[2] == "bool"]
             assert len(bools) == (2 if saving else 0), (setting, tp, fused.storages)
+
+
+# ---- context parallelism: CP group = every rank, c = the world size, t = 1. Attention
+# dropout 0 (CP refuses it), hidden dropout 0.1; the c = 1 layer has no CP group and runs
+# SDPA's CPU flash kernel on the whole sequence S = SHAPE.s, the CP layer gets [S/c, b, h].
+
+def measure_cp(setting, c, comm="p2p"):
+    config = am.layer_config(SHAPE, setting, 0.1, cp_group=dist.group.WORLD if c > 1 else None,
+                             cp_comm_type=comm, attention_dropout=0.0)
+    return am.measure_layer(config, SHAPE.b, None, 1, c)
+
+
+def measure_cp_attention(c, comm="p2p"):
+    config = am.layer_config(SHAPE, "none", 0.0, cp_group=dist.group.WORLD if c > 1 else None, cp_comm_type=comm)
+    return am.measure_core_attention(config, SHAPE.b, None, 1, c)
+
+
+def storage_bytes(m):
+    return sorted(n for n, _, _, _ in m.storages)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_context_parallel_divides_every_sequence_term_by_c(recompute):
+    """Ring attention (p2p): every storage the c = 1 layer keeps — Korthikanti's s·b·h terms
+    (layer input, LayerNorm inputs, the QKV and fc1 inputs, Q, K, V, GeLU's input and output,
+    the two hidden-dropout masks), the LayerNorm statistics and the flash log-sum-exp — is
+    kept at c with exactly 1/c of its bytes. Without recompute one storage more: the output
+    projection's [S/c·b, h] copy of the ring's [b, a, S/c, d] output (O, E·u/c), which at
+    c = 1 is a view of SDPA's output. Selective and full recompute keep nothing of the
+    attention core, so they are exactly c = 1 / c."""
+    c, _ = world()
+    u = SHAPE.sbh
+    one, split = measure_cp(recompute, 1), measure_cp(recompute, c)
+    extra = [E * u // c] if recompute == "none" else []
+    assert storage_bytes(split) == sorted([n // c for n in storage_bytes(one)] + extra), (one.storages, split.storages)
+    assert all(n % c == 0 for n in storage_bytes(one))  # exactly: nothing rounds
+    assert split.bytes * c == one.bytes + c * sum(extra)
+    # The explained count: the paper's terms at S/c (fp32, 4-byte masks) + L + F (flash), + O.
+    assert split.bytes == am.megatorch_cp_bytes(recompute, SHAPE, 1, c, E, 4, "p2p")
+    assert one.bytes == am.megatorch_cp_bytes(recompute, SHAPE, 1, 1, E, 4)
+    if recompute == "none":
+        copy = [st for st in split.storages if st[1] == (SHAPE.s // c * SHAPE.b, SHAPE.h)]
+        assert len(copy) == 3  # the QKV, output-projection and fc1 inputs; at c = 1 only two
+        assert len([st for st in one.storages if st[1] == (SHAPE.s * SHAPE.b, SHAPE.h)]) == 2
+
+
+def test_ring_attention_saves_only_local_q_k_v_out_and_lse():
+    """The core attention alone. c = 1, SDPA's CPU flash kernel: the fused QKV storage (Q, K, V:
+    3·E·u), its output (E·u) and its fp32 log-sum-exp [b, a, S] (4·a·S·b); no S×S tensor. The
+    ring at c keeps the same three for the rank's S/c queries and keys: local Q, K, V, the
+    merged output and log-sum-exp [b, a, S/c] — no scores and no K, V of other ranks: exactly
+    the c = 1 bytes / c."""
+    c, _ = world()
+    s, b, h, a = SHAPE.s, SHAPE.b, SHAPE.h, SHAPE.a
+    d = h // a
+
+    def saved(m):
+        return sorted((n, shape, dtype) for n, shape, dtype, _ in m.storages)
+
+    for cc in [1, c]:
+        sl = s // cc
+        assert saved(measure_cp_attention(cc)) == sorted([
+            (3 * E * sl * b * h, (b, a, sl, d), "float32"),  # q, k, v: views of the fused QKV tensor
+            (E * sl * b * h, (b, a, sl, d), "float32"),  # the output
+            (4 * a * sl * b, (b, a, sl), "float32"),  # the log-sum-exp
+        ])
+    assert measure_cp_attention(c).bytes * c == measure_cp_attention(1).bytes
+
+
+def test_ulysses_keeps_head_shards_of_the_whole_sequence_and_two_indices():
+    """a2a: after the all-to-all each rank attends a/c heads over the whole sequence, so SDPA
+    keeps Q, K, V and the output [b, a/c, S, d] (each E·u/c, one storage apiece, made by the
+    reordering index_select) and the log-sum-exp [b, a/c, S] — c = 1's bytes / c — plus
+    index_select's two int64 token orders over the whole sequence (I, 8·S bytes each, not ÷ c).
+    The layer: c = 1 / c + O + I without recompute, exactly c = 1 / c with recompute."""
+    c, _ = world()
+    s, b, h, a = SHAPE.s, SHAPE.b, SHAPE.h, SHAPE.a
+    d, u = h // a, SHAPE.sbh
+    m = measure_cp_attention(c, "a2a")
+    assert sorted((n, shape, dtype) for n, shape, dtype, _ in m.storages) == sorted(
+        [(E * u // c, (b, a // c, s, d), "float32")] * 4 + [(4 * a * s * b // c, (b, a // c, s), "float32")] +
+        [(8 * s, (s,), "int64")] * 2)
+    assert m.bytes * c == measure_cp_attention(1).bytes + c * 16 * s
+    for recompute in ["none", "selective", "full"]:
+        one, split = measure_cp(recompute, 1), measure_cp(recompute, c, "a2a")
+        extra = E * u // c + 16 * s if recompute == "none" else 0
+        assert split.bytes * c == one.bytes + c * extra, recompute
+        assert split.bytes == am.megatorch_cp_bytes(recompute, SHAPE, 1, c, E, 4, "a2a"), recompute
