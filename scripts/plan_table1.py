@@ -27,7 +27,8 @@ def plan(binary, row, *extra):
     cmd = [binary, "--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(a),
            "--vocab-size", "51200", "--seq-length", "2048", "--nodes", str(gpus // 8), "--global-batch-size",
            str(batch), "--fp16", "--zero-stage", "0", "--recompute-granularity", "full", "--no-sequence-parallel",
-           "--virtual-pipeline-model-parallel-size", "1", "--top", "1000", "--json", *extra]
+           "--virtual-pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--top", "1000", "--json",
+           *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 

@@ -1,10 +1,11 @@
-// megatorch-plan: predicts per-GPU memory and step time of every TP/PP/DP/ZeRO/micro-batch/
+// megatorch-plan: predicts per-GPU memory and step time of every TP/CP/PP/DP/ZeRO/micro-batch/
 // recompute/SP layout of a model on a cluster, rejects those that do not fit and ranks the rest.
 //
 //   megatorch-plan --model gpt3-175b --nodes 128 --global-batch-size 1536 [--json] [--explain]
 //   megatorch-plan --calibrate calib.json          # time this machine's GEMMs (and collectives)
 //   megatorch-plan --model llama3-8b --nodes 1 --calibration calib.json
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -21,9 +22,9 @@ namespace {
 struct Args {
   std::string model, precision = "bf16", calibration, calibrate_out = "megatorch_calibration.json";
   bool bf16 = false, fp16 = false, swiglu = false, no_bias = false, untie = false, sp = false, no_sp = false;
-  std::string normalization = "LayerNorm", positions = "learned_absolute", recompute;
+  std::string normalization = "LayerNorm", positions = "learned_absolute", recompute, cp_comm = "p2p";
   int64_t layers = 0, hidden = 0, heads = 0, groups = 0, ffn = 0, vocab = 0, seq = 0, divisible_by = 128;
-  int64_t tp = 0, pp = 0, dp = 0, vpp = 0, mb = 0, top = 5;
+  int64_t tp = 0, cp = 0, pp = 0, dp = 0, vpp = 0, mb = 0, top = 5;
   int zero = -1;
   bool json = false, explain = false, megatorch_activations = false, math_attention = false;
   double mask_bytes = 1;
@@ -34,7 +35,8 @@ double gb(double bytes) { return bytes / 1e9; }
 json layout_json(const mp::Layout& l) {
   return {{"tensor_model_parallel_size", l.tp}, {"pipeline_model_parallel_size", l.pp}, {"data_parallel_size", l.dp},
           {"virtual_pipeline_model_parallel_size", l.vpp}, {"zero_stage", l.zero_stage}, {"micro_batch_size", l.micro_batch},
-          {"recompute_granularity", megatorch::transformer::to_string(l.recompute)}, {"sequence_parallel", l.sequence_parallel}};
+          {"recompute_granularity", megatorch::transformer::to_string(l.recompute)}, {"sequence_parallel", l.sequence_parallel},
+          {"context_parallel_size", l.cp}, {"cp_comm_type", mp::to_string(l.cp_comm)}};
 }
 
 json memory_json(const mp::MemoryBreakdown& m) {
@@ -46,10 +48,54 @@ json memory_json(const mp::MemoryBreakdown& m) {
 }
 
 json time_json(const mp::TimeBreakdown& t) {
-  return {{"compute_s", t.compute}, {"recompute_s", t.recompute}, {"tp_comm_s", t.tp_comm}, {"p2p_s", t.p2p},
+  return {{"compute_s", t.compute}, {"recompute_s", t.recompute}, {"tp_comm_s", t.tp_comm}, {"cp_comm_s", t.cp_comm}, {"p2p_s", t.p2p},
           {"bubble_s", t.bubble}, {"dp_comm_s", t.dp_comm}, {"pipeline_s", t.pipeline}, {"step_s", t.step},
           {"bubble_fraction", t.bubble_fraction}, {"peak_inflight_chunks", t.peak_inflight_chunks},
           {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}};
+}
+
+// What context parallelism does to the best layout: each rank's share of the sequence, its
+// activations against cp = 1, and the bytes it exchanges over the CP group.
+void print_cp_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
+  const mp::Layout& l = c.layout;
+  const int64_t cp = l.cp;
+  const mp::CpShare share = mp::cp_share(r.model, cp);
+  std::printf("context parallel: CP=%lld, %s\n", static_cast<long long>(cp),
+              l.cp_comm == mp::CpCommType::kP2P ? "p2p (ring attention: K and V travel the CP ring)"
+                                                : "a2a (Ulysses: all-to-alls around attention, heads split over CP)");
+  std::printf("  sequence share: %lld of %lld tokens per CP rank (S/c), the sequence cut into %lld chunks of %lld "
+              "(S/2c); rank r holds chunks r and %lld-r:", static_cast<long long>(share.tokens),
+              static_cast<long long>(r.model.seq_length), static_cast<long long>(share.num_chunks),
+              static_cast<long long>(share.chunk_tokens), static_cast<long long>(2 * cp - 1));
+  for (int64_t k = 0; k < std::min<int64_t>(cp, 4); ++k)
+    std::printf("%s rank %lld: %lld and %lld", k ? "," : "", static_cast<long long>(k), static_cast<long long>(k),
+                static_cast<long long>(2 * cp - 1 - k));
+  std::printf("%s\n", cp > 4 ? ", ..." : "");
+  const mp::MemoryOptions mo = mp::memory_options(r);
+  mp::Layout one = l;
+  one.cp = 1;
+  std::printf("  activations per layer and micro-batch: %.3f GB per rank (%.3f GB at CP=1, / %lld: every term is "
+              "proportional to the rank's tokens)\n",
+              gb(mp::activation_bytes_per_layer(r.model, l, mo.activations)),
+              gb(mp::activation_bytes_per_layer(r.model, one, mo.activations)), static_cast<long long>(cp));
+  const mp::CpTraffic tr = mp::cp_traffic_per_layer(r.model, l, r.cluster, r.calibration, r.precision);
+  const char* link = tr.intra_node ? "NVLink" : "the network";
+  if (l.cp_comm == mp::CpCommType::kP2P)
+    std::printf("  CP traffic per layer and micro-batch, one rank sends: forward %.2f MB (K and V, c-1 = %lld hop%s), "
+                "backward %.2f MB (K,V and dK,dV), over %s; %.3f ms + %.3f ms, of it exposed %.3f ms + %.3f ms\n",
+                tr.forward_bytes / 1e6, static_cast<long long>(cp - 1), cp > 2 ? "s" : "", tr.backward_bytes / 1e6, link,
+                1e3 * tr.forward_s, 1e3 * tr.backward_s, 1e3 * tr.exposed_forward_s, 1e3 * tr.exposed_backward_s);
+  else
+    std::printf("  CP traffic per layer and micro-batch, one rank sends: forward %.2f MB ((c-1)/c of Q, K, V and the "
+                "output), backward %.2f MB, over %s; %.3f ms + %.3f ms, none of it hidden\n",
+                tr.forward_bytes / 1e6, tr.backward_bytes / 1e6, link, 1e3 * tr.forward_s, 1e3 * tr.backward_s);
+  const int64_t layers = r.model.num_layers / l.pp, micro = l.num_microbatches(r.global_batch);
+  const double per = static_cast<double>(layers * micro);
+  std::printf("  CP traffic per step (%lld layers x %lld micro-batches): forward %.2f GB, backward %.2f GB",
+              static_cast<long long>(layers), static_cast<long long>(micro), gb(per * tr.forward_bytes),
+              gb(per * tr.backward_bytes));
+  if (tr.recompute_repeats) std::printf(", recompute %.2f GB (the forward's again)", gb(per * tr.forward_bytes));
+  std::printf("\n");
 }
 
 void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
@@ -68,9 +114,13 @@ void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   std::printf("step time: %.3f s  (%.1f TFLOP/s per GPU, MFU %.1f%%)\n", t.step, t.tflops_per_gpu, 100 * t.mfu);
   std::printf("  compute           %9.3f s  (of which recompute %.3f s)\n  TP/SP comm        %9.3f s\n", t.compute,
               t.recompute, t.tp_comm);
+  if (c.layout.cp > 1)
+    std::printf("  CP comm           %9.3f s  (exposed: not hidden under attention)\n", t.cp_comm);
   std::printf("  pipeline p2p      %9.3f s\n  pipeline bubble   %9.3f s  (simulated: %.4f of busy time)\n", t.p2p, t.bubble,
               t.bubble_fraction);
-  std::printf("  DP/ZeRO comm      %9.3f s\ncalibration: %s\n", t.dp_comm, r.calibration.source.c_str());
+  std::printf("  DP/ZeRO comm      %9.3f s%s\ncalibration: %s\n", t.dp_comm,
+              c.layout.cp > 1 ? "  (gradients reduced over DP x CP)" : "", r.calibration.source.c_str());
+  if (c.layout.cp > 1) print_cp_explain(r, c);
 }
 
 int run_plan(const Args& a, mp::PlanRequest r) {
@@ -107,11 +157,14 @@ int run_plan(const Args& a, mp::PlanRequest r) {
   std::printf("%lld layouts considered, %lld do not fit in %.0f GB, %zu fit; the fastest %zu:\n",
               static_cast<long long>(res.considered), static_cast<long long>(res.too_big), r.cluster.gpu_memory_gb,
               res.ranked.size(), n);
-  std::printf("%4s  %-58s %9s %9s %8s %6s %7s  %s\n", "rank", "layout", "mem GB", "step s", "TFLOP/s", "MFU", "bubble",
-              "why it lost");
+  // 58 columns fit every layout without CP; a CP layout's longer name widens the column.
+  int width = 58;
+  for (size_t i = 0; i < n; ++i) width = std::max(width, static_cast<int>(res.ranked[i].layout.str().size()));
+  std::printf("%4s  %-*s %9s %9s %8s %6s %7s  %s\n", "rank", width, "layout", "mem GB", "step s", "TFLOP/s", "MFU",
+              "bubble", "why it lost");
   for (size_t i = 0; i < n; ++i) {
     const auto& c = res.ranked[i];
-    std::printf("%4zu  %-58s %9.2f %9.3f %8.1f %5.1f%% %7.4f  %s\n", i + 1, c.layout.str().c_str(), gb(c.memory.total()),
+    std::printf("%4zu  %-*s %9.2f %9.3f %8.1f %5.1f%% %7.4f  %s\n", i + 1, width, c.layout.str().c_str(), gb(c.memory.total()),
                 c.time.step, c.time.tflops_per_gpu, 100 * c.time.mfu, c.time.bubble_fraction,
                 mp::why_lost(c, best).c_str());
   }
@@ -138,7 +191,7 @@ int run_calibrate(const Args& a, const mp::Cluster& cluster) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Predict memory and step time of TP/PP/DP/ZeRO layouts and rank them.", "megatorch-plan"};
+  CLI::App app{"Predict memory and step time of TP/CP/PP/DP/ZeRO layouts and rank them.", "megatorch-plan"};
   Args a;
   mp::Cluster cl;
   int64_t global_batch = 512;
@@ -171,6 +224,8 @@ int main(int argc, char** argv) {
   app.add_option("--memory-bandwidth-gbps", cl.memory_bandwidth_gbps, "HBM GB/s per GPU")->capture_default_str();
   app.add_option("--reserved-gb", reserved_gb, "per-GPU memory kept for the runtime and buffers")->capture_default_str();
   app.add_option("--tensor-model-parallel-size", a.tp);
+  app.add_option("--context-parallel-size", a.cp, "CP size c: the sequence split over c ranks (default: searched)");
+  app.add_option("--cp-comm-type", a.cp_comm, "p2p (ring attention) or a2a (Ulysses)")->capture_default_str();
   app.add_option("--pipeline-model-parallel-size", a.pp);
   app.add_option("--data-parallel-size", a.dp);
   app.add_option("--virtual-pipeline-model-parallel-size", a.vpp);
@@ -226,6 +281,8 @@ int main(int argc, char** argv) {
     r.activations.math_attention = a.math_attention;
     if (!a.calibration.empty()) r.calibration = mp::load_calibration(a.calibration);
     if (a.tp) r.tp = a.tp;
+    if (a.cp) r.cp = a.cp;
+    r.cp_comm_type = mp::parse_cp_comm_type(a.cp_comm);
     if (a.pp) r.pp = a.pp;
     if (a.dp) r.dp = a.dp;
     if (a.vpp) r.vpp = a.vpp;

@@ -72,36 +72,51 @@ double inter_bw(const Cluster& c, const Calibration& k) {
   return c.inter_node_gbps * 1e9 / c.gpus_per_node * k.inter_node_efficiency;
 }
 
+// Seconds of the attention core's forward (Q K^T and P V) on one TP and CP rank.
+double attention_forward_s(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k) {
+  const double t = static_cast<double>(l.tp), peak = c.peak_tflops * 1e12;
+  const double eff = k.matmul_efficiency_at(static_cast<double>(m.hidden_size) / t);
+  return layer_forward_flops(m, l.micro_batch).attention / t / static_cast<double>(l.cp) / (peak * eff);
+}
+
 struct LayerCost {
   double compute_fwd = 0;    // GEMMs + memory-bound work of one forward
   double selective = 0;      // the attention core again (selective recompute)
   double tp_fwd = 0;         // the forward's two TP collectives (backward has two more)
+  CpTraffic cp;              // the CP exchange (zero at cp = 1)
 };
 
+// Per CP rank: a CP rank runs every GEMM and the attention core on its S/c tokens (its
+// queries against all keys), so the FLOPs, the memory-bound bytes and the TP collectives'
+// [S/c, b, h] tensors are the cp = 1 ones / c.
 LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
-  const double t = static_cast<double>(l.tp), peak = c.peak_tflops * 1e12;
+  const double t = static_cast<double>(l.tp), cp = static_cast<double>(l.cp), peak = c.peak_tflops * 1e12;
   const double eff = k.matmul_efficiency_at(static_cast<double>(m.hidden_size) / t);
   const LayerFlops f = layer_forward_flops(m, l.micro_batch);
   ActivationOptions paper;
   paper.activation_bytes = static_cast<double>(activation_dtype_bytes(p));
   // Memory-bound kernels (norms, dropout, softmax, activation, residual) read and write about
   // what the layer saves for backward: the Korthikanti count, a few passes over HBM.
-  const double traffic = activation_bytes_per_layer(m, l.micro_batch, l.tp, l.sequence_parallel, Recompute::kNone, paper);
+  Layout none = l;
+  none.recompute = Recompute::kNone;
+  const double traffic = activation_bytes_per_layer(m, none, paper);
   const double hbm = c.memory_bandwidth_gbps * 1e9;
-  const double A = static_cast<double>(m.num_attention_heads) * m.seq_length * m.seq_length * l.micro_batch;
+  const double A = static_cast<double>(m.num_attention_heads) * m.seq_length * (m.seq_length / l.cp) * l.micro_batch;
   LayerCost lc;
-  lc.compute_fwd = f.total() / t / (peak * eff) + k.memory_bound_passes * traffic / hbm;
-  lc.selective = f.attention / t / (peak * eff) + k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
-  const double act = static_cast<double>(l.micro_batch) * m.seq_length * m.hidden_size * paper.activation_bytes;
+  lc.compute_fwd = f.total() / t / cp / (peak * eff) + k.memory_bound_passes * traffic / hbm;
+  lc.selective = f.attention / t / cp / (peak * eff) +
+                 k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
+  const double act = static_cast<double>(l.micro_batch) * (m.seq_length / l.cp) * m.hidden_size * paper.activation_bytes;
   const double bw = l.tp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
   // Under SP the column layers' backward also re-gathers their input shards (one
   // all-gather each), but under the input-gradient GEMM: overlapped, so not charged.
   lc.tp_fwd = 2 * ring_allreduce_s(act, l.tp, bw);
+  lc.cp = cp_traffic_per_layer(m, l, c, k, p);
   return lc;
 }
 
 struct StageCost {
-  double compute = 0, recompute = 0, tp = 0, p2p = 0;  // per micro-batch, slowest stage
+  double compute = 0, recompute = 0, tp = 0, cp = 0, p2p = 0;  // per micro-batch, slowest stage
   double chunk_forward = 0, chunk_backward = 0;
 };
 
@@ -110,32 +125,63 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   const double layers_per_chunk = static_cast<double>(m.num_layers / (l.pp * l.vpp));
   const double v = static_cast<double>(l.vpp), t = static_cast<double>(l.tp);
   const double peak = c.peak_tflops * 1e12;
-  // The last stage also runs the output head (its GEMM is [b s, h] x [h, V/t]).
+  // The last stage also runs the output head (its GEMM is [b s/c, h] x [h, V/t]).
   const double head = head_forward_flops(m, l.micro_batch) * padded_vocab(m, l.tp) / m.vocab_size / t /
-                      (peak * k.matmul_efficiency_at(static_cast<double>(m.hidden_size)));
+                      static_cast<double>(l.cp) / (peak * k.matmul_efficiency_at(static_cast<double>(m.hidden_size)));
   double rec = 0, rec_tp = 0;
   if (l.recompute == Recompute::kFull) rec = lc.compute_fwd, rec_tp = lc.tp_fwd;
   if (l.recompute == Recompute::kSelective) rec = lc.selective;
   double p2p = 0;
   if (l.pp > 1) {
-    // Megatron's scatter-gather: each TP rank sends its 1/t of the [s, b, h] activation.
-    const double bytes = static_cast<double>(l.micro_batch) * m.seq_length * m.hidden_size *
+    // Megatron's scatter-gather: each TP rank sends its 1/t of the [s/c, b, h] activation.
+    const double bytes = static_cast<double>(l.micro_batch) * (m.seq_length / l.cp) * m.hidden_size *
                          activation_dtype_bytes(p) / t;
-    const bool same_node = l.tp * l.dp < c.gpus_per_node;  // neighbours are tp*dp ranks apart
+    const bool same_node = l.tp * l.cp * l.dp < c.gpus_per_node;  // neighbours are tp*cp*dp ranks apart
     p2p = bytes / (same_node ? intra_bw(c, k) : inter_bw(c, k)) + k.p2p_latency_s;
   }
+  const double cp_fwd = lc.cp.exposed_forward_s, cp_bwd = lc.cp.exposed_backward_s + lc.cp.exposed_recompute_s;
   StageCost s;
-  s.chunk_forward = layers_per_chunk * (lc.compute_fwd + lc.tp_fwd) + head / v + p2p;
-  s.chunk_backward = layers_per_chunk * (2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp) + 2 * head / v + p2p;
+  s.chunk_forward = layers_per_chunk * (lc.compute_fwd + lc.tp_fwd + cp_fwd) + head / v + p2p;
+  s.chunk_backward = layers_per_chunk * (2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp + cp_bwd) + 2 * head / v + p2p;
   const double layers = layers_per_chunk * v;
   s.compute = layers * (3 * lc.compute_fwd + rec) + 3 * head;
   s.recompute = layers * rec;
   s.tp = layers * (2 * lc.tp_fwd + rec_tp);
+  s.cp = layers * (cp_fwd + cp_bwd);
   s.p2p = 2 * v * p2p;
   return s;
 }
 
 }  // namespace
+
+CpTraffic cp_traffic_per_layer(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k,
+                               Precision p) {
+  CpTraffic tr;
+  tr.intra_node = l.tp * l.cp <= c.gpus_per_node;  // the CP group: tp*cp consecutive ranks
+  if (l.cp == 1) return tr;
+  const CpShare share = cp_share(m, l.cp);
+  const double cp = static_cast<double>(l.cp), t = static_cast<double>(l.tp), E = activation_dtype_bytes(p);
+  const double per_head = static_cast<double>(l.micro_batch) * share.tokens * m.head_dim();  // b (S/c) d
+  const double kv = per_head * m.query_groups() / t, q = per_head * m.num_attention_heads / t;  // K and Q elements
+  const double bw = tr.intra_node ? intra_bw(c, k) : inter_bw(c, k);
+  if (l.cp_comm == CpCommType::kP2P) {
+    tr.forward_bytes = (cp - 1) * 2 * kv * E;
+    tr.backward_bytes = 2 * tr.forward_bytes;
+    tr.forward_s = tr.forward_bytes / bw, tr.backward_s = tr.backward_bytes / bw;
+    const double hidden_under = attention_forward_s(m, l, c, k) * (cp - 1) / cp;
+    tr.exposed_forward_s = std::max(0.0, tr.forward_s - hidden_under);
+    tr.exposed_backward_s = std::max(0.0, tr.backward_s - 2 * hidden_under);  // the backward core: 2x the forward's
+    tr.recompute_repeats = l.recompute != Recompute::kNone;
+  } else {
+    tr.forward_bytes = (cp - 1) / cp * (2 * q + 2 * kv) * E;  // Q, K, V in and the output back
+    tr.backward_bytes = tr.forward_bytes;
+    tr.forward_s = tr.exposed_forward_s = tr.forward_bytes / bw;
+    tr.backward_s = tr.exposed_backward_s = tr.backward_bytes / bw;
+    tr.recompute_repeats = l.recompute == Recompute::kFull;
+  }
+  if (tr.recompute_repeats) tr.exposed_recompute_s = tr.exposed_forward_s;
+  return tr;
+}
 
 PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k,
                              const CostOptions& o) {
@@ -170,6 +216,7 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   t.compute = mb * s.compute;
   t.recompute = mb * s.recompute;
   t.tp_comm = mb * s.tp;
+  t.cp_comm = mb * s.cp;
   t.p2p = mb * s.p2p;
   // The simulator ran the slowest stage's costs on every stage, in ticks; its bubble (idle /
   // busy) turns the busy seconds into the makespan.
@@ -183,9 +230,10 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   // of the stage's gradients, 1.5x with ZeRO-3's parameter gathers (docs/reference.md).
   int64_t params = 0;
   for (int64_t r : {int64_t{0}, l.pp - 1}) params = std::max(params, params_per_rank(m, l.tp, l.pp, r));
+  // Parameters are replicated over CP: the gradients are reduced over DP x CP.
   const double grad_bytes = static_cast<double>(params) * precision_bytes(o.precision).grad;
-  const double bw = l.tp * l.dp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
-  t.dp_comm = ring_allreduce_s(grad_bytes, l.dp, bw) * (l.zero_stage == 3 ? 1.5 : 1.0);
+  const double bw = l.tp * l.cp * l.dp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
+  t.dp_comm = ring_allreduce_s(grad_bytes, l.dp_cp(), bw) * (l.zero_stage == 3 ? 1.5 : 1.0);
   t.step = t.pipeline + t.dp_comm;
   const double gpus = static_cast<double>(l.gpus());
   t.tflops_per_gpu = flops_per_iteration(m, global_batch, l.recompute) / t.step / gpus / 1e12;

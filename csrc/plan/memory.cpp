@@ -32,14 +32,19 @@ StateBytes zero_state_bytes(double n, int64_t dp, int stage, Precision precision
 }
 
 StateBytes zero_bytes_per_rank(const ModelSpec& m, const Layout& l, Precision precision, int64_t pp_rank) {
-  return zero_state_bytes(static_cast<double>(params_per_rank(m, l.tp, l.pp, pp_rank)), l.dp, l.zero_stage, precision);
+  return zero_state_bytes(static_cast<double>(params_per_rank(m, l.tp, l.pp, pp_rank)), l.dp_cp(), l.zero_stage,
+                          precision);
 }
 
-double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
-                                  const ActivationOptions& o) {
+namespace {
+// `cp` ranks share the sequence: a rank keeps s/cp tokens of every [s, b, h] tensor and s/cp
+// query rows of the [b, a, s, s] scores (see the header for a2a).
+double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
+                              const ActivationOptions& o, int64_t cp) {
   const double s = m.seq_length, h = m.hidden_size, t = static_cast<double>(tp);
-  const double u = s * b * h;                                        // one [s, b, h] tensor, elements
-  const double A = static_cast<double>(m.num_attention_heads) * s * s * b;  // one [b, a, s, s] tensor
+  const double tokens = s / static_cast<double>(cp);                      // this CP rank's
+  const double u = tokens * b * h;                                        // one [s/c, b, h] tensor, elements
+  const double A = static_cast<double>(m.num_attention_heads) * s * tokens * b;  // [b, a, s/c, s]
   const double outside = sp ? 1 / t : 1.0;  // norm/dropout regions: split by SP
   const double E = o.activation_bytes, M = o.mask_bytes;
   if (r == Recompute::kFull) return E * u * outside;  // the layer input only
@@ -56,10 +61,21 @@ double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, boo
   if (r == Recompute::kNone) bytes += (2 * E + M) * A / t;
   if (o.megatorch_extras) {
     // L: at::layer_norm's fp32 mean and 1/std per token (RMSNorm: 1/rms only), two norms.
-    bytes += 2 * (m.rms_norm ? 1 : 2) * 4 * s * b * outside;
+    bytes += 2 * (m.rms_norm ? 1 : 2) * 4 * tokens * b * outside;
   }
   if (o.math_attention && r == Recompute::kNone) bytes += 2 * E * u / t;  // Q: scaled Q and K copies
   return bytes;
+}
+}  // namespace
+
+double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
+                                  const ActivationOptions& o) {
+  return layer_activation_bytes(m, b, tp, sp, r, o, 1);
+}
+
+double activation_bytes_per_layer(const ModelSpec& m, const Layout& l, const ActivationOptions& o) {
+  cp_share(m, l.cp);  // fails unless the sequence splits into 2c chunks
+  return layer_activation_bytes(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o, l.cp);
 }
 
 namespace {
@@ -67,20 +83,20 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Layout& l, const MemoryOp
   MemoryBreakdown mem;
   mem.stage = stage;
   mem.states = zero_bytes_per_rank(m, l, o.precision, stage);
-  const double per_layer =
-      activation_bytes_per_layer(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o.activations);
+  const double per_layer = activation_bytes_per_layer(m, l, o.activations);
   // peak_inflight counts chunk activations: a chunk holds L / (pp * vpp) layers.
   const double chunks = static_cast<double>(sim.ranks[stage].peak_inflight);
   mem.inflight_microbatches = chunks / l.vpp;
   mem.activations = per_layer * chunks * static_cast<double>(m.num_layers / (l.pp * l.vpp));
   if (l.recompute != Recompute::kNone) {
     // Backward rebuilds one layer's activations (full) or its attention core (selective).
-    const double full = activation_bytes_per_layer(m, l.micro_batch, l.tp, l.sequence_parallel, Recompute::kNone,
-                                                   o.activations);
-    mem.recompute_working = full - per_layer;
+    Layout none = l;
+    none.recompute = Recompute::kNone;
+    mem.recompute_working = activation_bytes_per_layer(m, none, o.activations) - per_layer;
   }
+  // Each CP rank computes the loss of its own S/c tokens.
   if (stage == l.pp - 1)
-    mem.logits = 4.0 * l.micro_batch * m.seq_length * static_cast<double>(padded_vocab(m, l.tp) / l.tp);
+    mem.logits = 4.0 * l.micro_batch * (m.seq_length / l.cp) * static_cast<double>(padded_vocab(m, l.tp) / l.tp);
   mem.reserved = o.reserved_bytes;
   return mem;
 }

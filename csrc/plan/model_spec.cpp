@@ -79,9 +79,34 @@ Precision parse_precision(const std::string& s) {
 
 int64_t activation_dtype_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 
+const char* to_string(CpCommType t) {
+  switch (t) {
+    case CpCommType::kP2P: return "p2p";
+    case CpCommType::kA2A: return "a2a";
+  }
+  return "?";
+}
+
+CpCommType parse_cp_comm_type(const std::string& s) {
+  return util::parse_enum(s, {CpCommType::kP2P, CpCommType::kA2A}, "--cp-comm-type");
+}
+
+CpShare cp_share(const ModelSpec& m, int64_t cp) {
+  MEGATORCH_CHECK(cp >= 1 && (cp == 1 || m.seq_length % (2 * cp) == 0), "context parallelism: expected the sequence "
+                  "length (", m.seq_length, ") divisible by 2 x CP (2 x ", cp, "), got a remainder of ",
+                  cp >= 1 ? m.seq_length % (2 * cp) : -1, "; change --seq-length or --context-parallel-size");
+  CpShare share;
+  share.tokens = m.seq_length / cp;
+  share.num_chunks = cp == 1 ? 1 : 2 * cp;
+  share.chunk_tokens = m.seq_length / share.num_chunks;
+  return share;
+}
+
 std::string Layout::str() const {
   std::ostringstream os;
-  os << "TP=" << tp << " PP=" << pp << " DP=" << dp;
+  os << "TP=" << tp;
+  if (cp > 1) os << " CP=" << cp << "(" << to_string(cp_comm) << ")";
+  os << " PP=" << pp << " DP=" << dp;
   if (vpp > 1) os << " VP=" << vpp;
   os << " ZeRO-" << zero_stage << " mb=" << micro_batch << " recompute=" << transformer::to_string(recompute);
   if (sequence_parallel) os << " SP";
@@ -90,18 +115,30 @@ std::string Layout::str() const {
 
 std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int64_t global_batch) {
   std::ostringstream os;
-  if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.vpp < 1 || l.micro_batch < 1)
-    os << "expected TP, PP, DP, VP and the micro-batch size >= 1, got " << l.str();
-  else if (l.gpus() != gpus)
+  if (l.tp < 1 || l.cp < 1 || l.pp < 1 || l.dp < 1 || l.vpp < 1 || l.micro_batch < 1)
+    os << "expected TP, CP, PP, DP, VP and the micro-batch size >= 1, got " << l.str();
+  else if (l.gpus() != gpus && l.cp == 1)
     os << "TP*PP*DP = " << l.tp << "*" << l.pp << "*" << l.dp << " = " << l.gpus() << " does not equal the " << gpus
        << " GPUs of the cluster; pick sizes whose product is " << gpus;
+  else if (l.gpus() != gpus)
+    os << "TP*CP*PP*DP = " << l.tp << "*" << l.cp << "*" << l.pp << "*" << l.dp << " = " << l.gpus()
+       << " does not equal the " << gpus << " GPUs of the cluster; pick sizes whose product is " << gpus;
   else if (l.zero_stage < 0 || l.zero_stage > 3)
     os << "expected a ZeRO stage 0..3, got " << l.zero_stage;
   else if (m.num_attention_heads % l.tp || m.query_groups() % l.tp || m.ffn() % l.tp)
     os << "TP=" << l.tp << " does not divide the attention heads (" << m.num_attention_heads << "), query groups ("
        << m.query_groups() << ") and FFN size (" << m.ffn() << ")";
-  else if (l.sequence_parallel && (l.tp == 1 || m.seq_length % l.tp))
-    os << "sequence parallelism needs TP > 1 dividing the sequence length (" << m.seq_length << "), got TP=" << l.tp;
+  else if (l.cp > 1 && m.seq_length % (2 * l.cp))
+    os << "context parallelism cuts the sequence into 2*CP chunks: the sequence length (" << m.seq_length
+       << ") is not divisible by 2*CP = " << 2 * l.cp;
+  else if (l.sequence_parallel && (l.tp == 1 || (m.seq_length / l.cp) % l.tp))
+    os << "sequence parallelism needs TP > 1 dividing the sequence length" << (l.cp > 1 ? " per CP rank (" : " (")
+       << m.seq_length / l.cp << "), got TP=" << l.tp;
+  else if (l.cp > 1 && l.cp_comm == CpCommType::kA2A &&
+           ((m.num_attention_heads / l.tp) % l.cp || (m.query_groups() / l.tp) % l.cp))
+    os << "--cp-comm-type a2a splits the heads over the CP ranks: the attention heads (" << m.num_attention_heads / l.tp
+       << ") and key/value heads (" << m.query_groups() / l.tp << ") per TP rank are not both divisible by CP="
+       << l.cp << "; use --cp-comm-type p2p or a CP size dividing both";
   else if (m.num_layers % (l.pp * l.vpp))
     os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
   else if (l.vpp > 1 && l.pp == 1)

@@ -66,15 +66,29 @@ PlanResult plan(const PlanRequest& r) {
   const int64_t n = c.gpus();
   MEGATORCH_CHECK(n >= 1 && r.global_batch >= 1, "expected at least one GPU and a global batch >= 1, got ", n, " GPUs and ",
                   r.global_batch);
-  if (r.tp && r.pp && r.dp) {
+  MEGATORCH_CHECK(!r.cp || *r.cp >= 1, "expected --context-parallel-size >= 1, got ", r.cp.value_or(0),
+                  "; give 1 for no context parallelism or leave it out to search it");
+  if (r.tp && r.pp && r.dp && (r.cp.value_or(1) == 1)) {
+    // Without a fixed CP the rest of the GPUs may go to CP: the product must divide them.
     const int64_t prod = *r.tp * *r.pp * *r.dp;
-    MEGATORCH_CHECK(prod == n, "TP*PP*DP = ", *r.tp, "*", *r.pp, "*", *r.dp, " = ", prod, " does not equal the ", n,
-                    " GPUs (", c.nodes, " nodes x ", c.gpus_per_node, "); fix at most two of them or pick sizes whose "
-                    "product is ", n);
+    MEGATORCH_CHECK(r.cp ? prod == n : n % prod == 0, "TP*PP*DP = ", *r.tp, "*", *r.pp, "*", *r.dp, " = ", prod,
+                    " does not equal the ", n, " GPUs (", c.nodes, " nodes x ", c.gpus_per_node, ")",
+                    r.cp ? "" : " nor divide them into a context-parallel size",
+                    "; fix at most two of them or pick sizes whose product is ", n);
   }
-  std::vector<int64_t> tps, pps, vpps, mbs;
+  if (r.tp && r.pp && r.dp && r.cp && *r.cp > 1) {
+    const int64_t prod = *r.tp * *r.cp * *r.pp * *r.dp;
+    MEGATORCH_CHECK(prod == n, "TP*CP*PP*DP = ", *r.tp, "*", *r.cp, "*", *r.pp, "*", *r.dp, " = ", prod,
+                    " does not equal the ", n, " GPUs (", c.nodes, " nodes x ", c.gpus_per_node, "); fix at most "
+                    "three of them or pick sizes whose product is ", n);
+  }
+  std::vector<int64_t> tps, cps, pps, vpps, mbs;
   for (int64_t t = 1; t <= std::min(c.gpus_per_node, n); ++t)
     if (c.gpus_per_node % t == 0) tps.push_back(t);
+  // Powers of two whose 2c chunks split the sequence; the GPU count and the heads are checked
+  // per layout (they depend on TP and PP).
+  for (int64_t cp = 1; cp <= n; cp *= 2)
+    if (cp == 1 || r.model.seq_length % (2 * cp) == 0) cps.push_back(cp);
   for (int64_t p = 1; p <= r.model.num_layers; ++p)
     if (r.model.num_layers % p == 0 && n % p == 0) pps.push_back(p);
   for (int64_t v = 1; v <= r.max_vpp; ++v) vpps.push_back(v);
@@ -91,53 +105,60 @@ PlanResult plan(const PlanRequest& r) {
   std::optional<Layout> smallest;  // least memory among valid layouts, for the error message
   double smallest_bound = 0;
   for (int64_t tp : choices(r.tp, tps))
-    for (int64_t pp : choices(r.pp, pps)) {
-      if (n % (tp * pp)) {
-        if (result.invalid_examples.size() < 3 && (r.tp || r.pp))
-          result.invalid_examples.push_back("TP*PP = " + std::to_string(tp * pp) + " does not divide " +
-                                            std::to_string(n) + " GPUs");
-        continue;
+    for (int64_t pp : choices(r.pp, pps))
+      for (int64_t cp : choices(r.cp, cps)) {
+        // Names as before CP when cp = 1, so the messages read as they always did.
+        const std::string tcp = cp == 1 ? "TP*PP = " + std::to_string(tp * pp)
+                                        : "TP*CP*PP = " + std::to_string(tp * cp * pp);
+        if (n % (tp * cp * pp)) {
+          // A searched CP that does not divide is no example of what the user fixed.
+          if (result.invalid_examples.size() < 3 && (r.tp || r.pp || r.cp) && (cp == 1 || r.cp))
+            result.invalid_examples.push_back(tcp + " does not divide " + std::to_string(n) + " GPUs");
+          continue;
+        }
+        const int64_t dp = n / (tp * cp * pp);
+        if (r.dp && *r.dp != dp) {
+          if (result.invalid_examples.size() < 3 && (cp == 1 || r.cp))
+            result.invalid_examples.push_back("TP=" + std::to_string(tp) + (cp > 1 ? " CP=" + std::to_string(cp) : "") +
+                                              " PP=" + std::to_string(pp) + " leaves DP=" + std::to_string(dp) +
+                                              ", not " + std::to_string(*r.dp));
+          continue;
+        }
+        for (int64_t v : choices(r.vpp, vpps))
+          for (int64_t b : choices(r.micro_batch, mbs))
+            for (int zero : zeros)
+              for (Recompute rc : recomputes)
+                for (bool sp : {false, true}) {
+                  if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
+                  Layout l{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type};
+                  const std::string err = layout_error(r.model, l, n, r.global_batch);
+                  if (!err.empty()) {
+                    // A searched CP > 1 that does not fit the model is no example of what was fixed.
+                    if (result.invalid_examples.size() < 3 && (cp == 1 || r.cp))
+                      result.invalid_examples.push_back(l.str() + ": " + err);
+                    continue;
+                  }
+                  ++result.considered;
+                  // Screen before simulating: the exact static bytes plus the 1F1B in-flight
+                  // activations are a lower bound (interleaving only adds to them).
+                  const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
+                                       activation_bytes_per_layer(r.model, l, mo.activations) *
+                                           static_cast<double>(r.model.num_layers / pp) *
+                                           static_cast<double>(std::min<int64_t>(pp, l.num_microbatches(r.global_batch)));
+                  if (bound > capacity) {
+                    ++result.too_big;
+                    if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
+                    continue;
+                  }
+                  Candidate cand = evaluate_cached(r, l, cache);
+                  if (cand.memory.total() > capacity) {
+                    ++result.too_big;
+                    if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
+                    continue;
+                  }
+                  result.ranked.push_back(std::move(cand));
+                }
       }
-      const int64_t dp = n / (tp * pp);
-      if (r.dp && *r.dp != dp) {
-        if (result.invalid_examples.size() < 3)
-          result.invalid_examples.push_back("TP=" + std::to_string(tp) + " PP=" + std::to_string(pp) + " leaves DP=" +
-                                            std::to_string(dp) + ", not " + std::to_string(*r.dp));
-        continue;
-      }
-      for (int64_t v : choices(r.vpp, vpps))
-        for (int64_t b : choices(r.micro_batch, mbs))
-          for (int zero : zeros)
-            for (Recompute rc : recomputes)
-              for (bool sp : {false, true}) {
-                if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
-                Layout l{tp, pp, dp, v, zero, b, rc, sp};
-                const std::string err = layout_error(r.model, l, n, r.global_batch);
-                if (!err.empty()) {
-                  if (result.invalid_examples.size() < 3) result.invalid_examples.push_back(l.str() + ": " + err);
-                  continue;
-                }
-                ++result.considered;
-                // Screen before simulating: the exact static bytes plus the 1F1B in-flight
-                // activations are a lower bound (interleaving only adds to them).
-                const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
-                                     activation_bytes_per_layer(r.model, b, tp, sp, rc, mo.activations) *
-                                         static_cast<double>(r.model.num_layers / pp) *
-                                         static_cast<double>(std::min<int64_t>(pp, l.num_microbatches(r.global_batch)));
-                if (bound > capacity) {
-                  ++result.too_big;
-                  if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
-                  continue;
-                }
-                Candidate cand = evaluate_cached(r, l, cache);
-                if (cand.memory.total() > capacity) {
-                  ++result.too_big;
-                  if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
-                  continue;
-                }
-                result.ranked.push_back(std::move(cand));
-              }
-    }
   if (result.considered == 0) {
     std::string why;
     for (const auto& e : result.invalid_examples) why += "\n  " + e;
@@ -151,7 +172,8 @@ PlanResult plan(const PlanRequest& r) {
                    " GPUs). The model's weights and optimizer states alone are ", gb(whole), " (",
                    precision_bytes(r.precision).total(), " bytes x ", total_params(r.model), " parameters) against ",
                    gb(capacity * n), " in all ", n, " GPUs. Add GPUs (--nodes), memory (--gpu-memory-gb), ZeRO, "
-                   "recomputation or a smaller micro-batch.");
+                   "recomputation", r.cp ? ", context parallelism (a larger --context-parallel-size)" : "",
+                   " or a smaller micro-batch.");
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Candidate& a, const Candidate& b) {
     if (a.time.step != b.time.step) return a.time.step < b.time.step;
@@ -166,6 +188,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
   const std::pair<const char*, double> kinds[] = {{"compute", a.compute - a.recompute - (b.compute - b.recompute)},
                                                   {"recompute", a.recompute - b.recompute},
                                                   {"TP comm", a.tp_comm - b.tp_comm},
+                                                  {"CP comm", a.cp_comm - b.cp_comm},
                                                   {"p2p", a.p2p - b.p2p},
                                                   {"bubble", a.bubble - b.bubble},
                                                   {"DP comm", a.dp_comm - b.dp_comm}};

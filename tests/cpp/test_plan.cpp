@@ -1,10 +1,12 @@
 // megatorch::plan: the memory model against docs/reference.md's exact numbers and against the
 // parameters GPTModel really builds, the time model against Narayanan et al. 2021 Table 1
-// with one calibration, and the planner's errors.
+// with one calibration, the planner's errors, and context parallelism's share of memory,
+// compute and traffic.
 #include <catch2/catch.hpp>
 
 #include <cstdio>
 #include <filesystem>
+#include <set>
 
 #include "gpt_test_util.h"
 #include "megatorch/models/gpt_model.h"
@@ -116,6 +118,7 @@ PlanRequest table1_request(const Table1Row& row) {
   // The runs: fp16, full recompute, no ZeRO, no SP, the 1F1B schedule.
   r.precision = Precision::kFp16, r.zero_stage = 0, r.recompute = Recompute::kFull, r.sequence_parallel = false;
   r.vpp = 1;
+  r.cp = 1;  // 2021: no context parallelism
   return r;
 }
 }  // namespace
@@ -215,4 +218,192 @@ TEST_CASE("Calibration: fit, JSON round trip, and it changes predictions", "[pla
   CHECK(predict_time(m, l, 64, cl, slow).step > predict_time(m, l, 64, cl, Calibration{}).step);
   CHECK_THROWS_WITH(calibration_from_json(nlohmann::json{{"matmul_efficiency", 0.5}}),
                     Catch::Contains("expected a number field 'matmul_half_width'"));
+}
+
+// ---- context parallelism
+
+namespace {
+Layout cp_layout(int64_t tp, int64_t cp, int64_t dp, Recompute r, bool sp, CpCommType comm = CpCommType::kP2P) {
+  Layout l{tp, 1, dp, 1, 1, 1, r, sp};
+  l.cp = cp, l.cp_comm = comm;
+  return l;
+}
+
+// 12 heads, 4 key/value heads, 24 tokens: CP sizes 1, 2 and 4 split the sequence (8 does not:
+// 16 chunks of 24 tokens), and a2a needs 12/t and 4/t divisible by c.
+PlanRequest small_cp_request(CpCommType comm) {
+  PlanRequest r;
+  r.model.name = "small";
+  r.model.num_layers = 4, r.model.hidden_size = 768, r.model.num_attention_heads = 12, r.model.num_query_groups = 4;
+  r.model.vocab_size = 1000, r.model.seq_length = 24;
+  r.cluster.nodes = 2;  // 16 GPUs
+  r.global_batch = 32;
+  r.max_vpp = 1, r.max_micro_batch = 2;
+  r.cp_comm_type = comm;
+  return r;
+}
+}  // namespace
+
+TEST_CASE("Context parallelism: a rank's activations are the cp = 1 bytes / c", "[plan][cp]") {
+  for (const char* name : {"gpt3-175b", "llama3-8b"}) {
+    const ModelSpec m = preset(name);
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+      for (bool sp : {false, true}) {
+        INFO(name << " recompute " << transformer::to_string(r) << " SP " << sp);
+        ActivationOptions extras;
+        extras.megatorch_extras = extras.math_attention = true;
+        extras.mask_bytes = 4;
+        const double one = activation_bytes_per_layer(m, cp_layout(8, 1, 1, r, sp));
+        // The layout form at cp = 1 is the paper's count (the Korthikanti test above).
+        CHECK(one == activation_bytes_per_layer(m, 1, 8, sp, r));
+        for (int64_t c : {2, 4}) {
+          // Powers of two: the division is exact, so the equality is too.
+          CHECK(activation_bytes_per_layer(m, cp_layout(8, c, 1, r, sp)) == one / c);
+          CHECK(activation_bytes_per_layer(m, cp_layout(8, c, 1, r, sp), extras) ==
+                activation_bytes_per_layer(m, cp_layout(8, 1, 1, r, sp), extras) / c);
+          CHECK(activation_bytes_per_layer(m, cp_layout(8, c, 1, r, sp, CpCommType::kA2A)) == one / c);
+        }
+      }
+  }
+  // The whole stage: activations, the rebuilt layer and the logits shard / c; the states are
+  // sharded by ZeRO over DP x CP (here 1 x 4 against 4 x 1: the same bytes).
+  const ModelSpec m = preset("llama3-8b");
+  Layout one{2, 2, 4, 1, 1, 1, Recompute::kSelective, true};
+  Layout four = one;
+  four.dp = 1, four.cp = 4;
+  const MemoryBreakdown a = predict_memory(m, one, 64), b = predict_memory(m, four, 16);
+  CHECK(a.inflight_microbatches == b.inflight_microbatches);
+  CHECK(b.activations == a.activations / 4);
+  CHECK(b.recompute_working == a.recompute_working / 4);
+  CHECK(b.states.total() == a.states.total());
+  CHECK(b.states.optimizer_state_bytes ==
+        zero_state_bytes(static_cast<double>(params_per_rank(m, 2, 2, b.stage)), 4, 1, Precision::kBf16).optimizer_state_bytes);
+  const MemoryBreakdown last_one = predict_memory(m, Layout{2, 1, 4, 1, 1, 1, Recompute::kFull, true}, 64);
+  Layout last_four_layout{2, 1, 1, 1, 1, 1, Recompute::kFull, true};
+  last_four_layout.cp = 4;
+  CHECK(predict_memory(m, last_four_layout, 16).logits == last_one.logits / 4);
+}
+
+TEST_CASE("Context parallelism: the exchange per layer, p2p and a2a", "[plan][cp]") {
+  // llama3-8b: 32 heads, 8 key/value heads, d = 128, S = 8192; t = 2, c = 4, bf16.
+  const ModelSpec m = preset("llama3-8b");
+  const Cluster cl;  // one node: the CP group (tp*cp = 8 ranks) is on NVLink
+  const Calibration k;
+  const double K = 1.0 * (8192 / 4) * (8 / 2) * 128;   // b (S/c) (n_kv/t) d elements
+  const double Q = 1.0 * (8192 / 4) * (32 / 2) * 128;  // b (S/c) (a/t) d
+  const double nvlink = 600e9 / 2;
+  const CpTraffic p2p = cp_traffic_per_layer(m, cp_layout(2, 4, 1, Recompute::kNone, true), cl, k);
+  CHECK(p2p.forward_bytes == 3 * 2 * K * 2);  // c-1 blocks of K and V, 2 bytes each
+  CHECK(p2p.forward_bytes == 12582912);
+  CHECK(p2p.backward_bytes == 2 * p2p.forward_bytes);
+  CHECK(p2p.intra_node);
+  CHECK(p2p.forward_s == Approx(p2p.forward_bytes / nvlink));
+  // Ring attention hides the transfer under c-1 of the c attention steps.
+  const double attention = layer_forward_flops(m, 1).attention / 2 / 4 / (312e12 * 0.6);
+  CHECK(p2p.exposed_forward_s == Approx(std::max(0.0, p2p.forward_s - attention * 3 / 4)));
+  CHECK(p2p.exposed_backward_s == Approx(std::max(0.0, p2p.backward_s - 2 * attention * 3 / 4)));
+  CHECK(p2p.exposed_recompute_s == 0);
+
+  const CpTraffic a2a = cp_traffic_per_layer(m, cp_layout(2, 4, 1, Recompute::kNone, true, CpCommType::kA2A), cl, k);
+  CHECK(a2a.forward_bytes == 3.0 / 4 * (2 * Q + 2 * K) * 2);  // (c-1)/c of Q, K, V and the output
+  CHECK(a2a.forward_bytes == 15728640);
+  CHECK(a2a.backward_bytes == a2a.forward_bytes);
+  CHECK(a2a.exposed_forward_s == a2a.forward_s);  // not overlapped
+  CHECK(a2a.exposed_backward_s == a2a.backward_s);
+
+  // Recompute repeats the forward's exchange: p2p for selective and full, a2a for full only.
+  CHECK(cp_traffic_per_layer(m, cp_layout(2, 4, 1, Recompute::kSelective, true), cl, k).recompute_repeats);
+  CHECK_FALSE(cp_traffic_per_layer(m, cp_layout(2, 4, 1, Recompute::kSelective, true, CpCommType::kA2A), cl, k)
+                  .recompute_repeats);
+  const CpTraffic a2a_full = cp_traffic_per_layer(m, cp_layout(2, 4, 1, Recompute::kFull, true, CpCommType::kA2A), cl, k);
+  CHECK(a2a_full.exposed_recompute_s == a2a_full.exposed_forward_s);
+  // No CP, no exchange; a CP group wider than a node goes over the network.
+  CHECK(cp_traffic_per_layer(m, cp_layout(2, 1, 4, Recompute::kNone, true), cl, k).forward_bytes == 0);
+  Cluster two = cl;
+  two.nodes = 2;
+  CHECK_FALSE(cp_traffic_per_layer(m, cp_layout(2, 8, 1, Recompute::kNone, true), two, k).intra_node);
+
+  // The step: compute per rank / c (same TP, PP and DP, c times the GPUs), the exchange in it.
+  Cluster big = cl;
+  big.nodes = 8;
+  const Layout base{2, 2, 4, 1, 1, 1, Recompute::kSelective, true};
+  Layout with_cp = base;
+  with_cp.cp = 4;
+  Cluster four = cl;
+  four.nodes = 2;
+  const TimeBreakdown t1 = predict_time(m, base, 64, four, k), t4 = predict_time(m, with_cp, 64, big, k);
+  CHECK(t4.compute == Approx(t1.compute / 4));
+  CHECK(t1.cp_comm == 0);
+  const CpTraffic tr = cp_traffic_per_layer(m, with_cp, big, k);
+  const double layers = 32 / 2, micro = 64 / 4;
+  CHECK(t4.cp_comm == Approx(layers * micro * (tr.exposed_forward_s + tr.exposed_backward_s + tr.exposed_recompute_s)));
+}
+
+TEST_CASE("Context parallelism: the search keeps to the divisibility rules", "[plan][cp]") {
+  for (CpCommType comm : {CpCommType::kP2P, CpCommType::kA2A}) {
+    INFO(to_string(comm));
+    const PlanRequest r = small_cp_request(comm);
+    const PlanResult res = plan::plan(r);
+    std::set<int64_t> cps;
+    for (const auto& c : res.ranked) {
+      const Layout& l = c.layout;
+      INFO(l.str());
+      cps.insert(l.cp);
+      CHECK(l.gpus() == 16);
+      CHECK(l.cp_comm == comm);
+      CHECK((l.cp & (l.cp - 1)) == 0);  // powers of two
+      CHECK(24 % (2 * l.cp) == 0);
+      if (l.sequence_parallel) CHECK((24 / l.cp) % l.tp == 0);
+      if (comm == CpCommType::kA2A) CHECK((12 / l.tp % l.cp == 0 && 4 / l.tp % l.cp == 0));
+      CHECK(layout_error(r.model, l, 16, r.global_batch).empty());
+    }
+    CHECK(cps.count(2) == 1);
+    CHECK(cps.count(4) == 1);
+    CHECK(cps.count(8) == 0);
+  }
+  // Fixed sizes that break a rule are refused naming it.
+  const ModelSpec m = small_cp_request(CpCommType::kP2P).model;
+  CHECK_THAT(layout_error(m, cp_layout(1, 8, 2, Recompute::kNone, false), 16, 32),
+             Catch::Contains("not divisible by 2*CP = 16"));
+  CHECK_THAT(layout_error(m, cp_layout(4, 4, 1, Recompute::kNone, true), 16, 32),
+             Catch::Contains("per CP rank (6), got TP=4"));
+  CHECK_THAT(layout_error(m, cp_layout(2, 4, 2, Recompute::kNone, false), 8, 32),
+             Catch::Contains("TP*CP*PP*DP = 2*4*1*2 = 16 does not equal the 8 GPUs"));
+  CHECK(cp_layout(2, 4, 1, Recompute::kNone, true).str() == "TP=2 CP=4(p2p) PP=1 DP=1 ZeRO-1 mb=1 recompute=none SP");
+}
+
+TEST_CASE("Context parallelism: a2a with heads not divisible by c is refused", "[plan][cp]") {
+  PlanRequest r = small_cp_request(CpCommType::kA2A);
+  // TP 2 leaves 6 heads and 2 key/value heads per rank: not divisible by 4.
+  CHECK_THAT(layout_error(r.model, cp_layout(2, 4, 2, Recompute::kNone, false, CpCommType::kA2A), 16, 32),
+             Catch::Contains("a2a splits the heads") && Catch::Contains("(6)") && Catch::Contains("(2)"));
+  CHECK(layout_error(r.model, cp_layout(2, 4, 2, Recompute::kNone, false, CpCommType::kP2P), 16, 32).empty());
+  r.tp = 2, r.cp = 4;
+  CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("no valid layout") && Catch::Contains("a2a splits the heads"));
+  r.cp_comm_type = CpCommType::kP2P;  // ring attention has no head constraint
+  CHECK_FALSE(plan::plan(r).ranked.empty());
+  CHECK(parse_cp_comm_type("a2a") == CpCommType::kA2A);
+  CHECK_THROWS_WITH(parse_cp_comm_type("ring"), Catch::Contains("'p2p' or 'a2a', got 'ring'"));
+}
+
+TEST_CASE("Context parallelism: where c = 1 does not fit, the planner picks c > 1", "[plan][cp]") {
+  PlanRequest r;
+  r.model = preset("llama3-8b");
+  r.cluster.nodes = 1;
+  r.global_batch = 8;
+  r.tp = 4, r.pp = 1, r.vpp = 1, r.micro_batch = 1, r.zero_stage = 1, r.recompute = Recompute::kNone;
+  r.sequence_parallel = true;
+  Layout one{4, 1, 2, 1, 1, 1, Recompute::kNone, true};
+  Layout two = one;
+  two.dp = 1, two.cp = 2;
+  const double need_one = evaluate(r, one).memory.total(), need_two = evaluate(r, two).memory.total();
+  REQUIRE(need_two < need_one);
+  // A GPU between the two: only the CP layout fits.
+  r.cluster.gpu_memory_gb = (need_one + need_two) / 2 / 1e9;
+  const PlanResult res = plan::plan(r);
+  REQUIRE_FALSE(res.ranked.empty());
+  for (const auto& c : res.ranked) CHECK(c.layout.cp > 1);
+  CHECK(res.ranked.front().layout.cp == 2);
+  r.cp = 1;
+  CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("no layout fits"));
 }

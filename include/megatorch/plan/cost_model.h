@@ -53,10 +53,11 @@ struct TimeBreakdown {
   double compute = 0;      // forward + backward (+ recompute) GEMMs and memory-bound work
   double recompute = 0;    // the part of compute spent recomputing
   double tp_comm = 0;      // TP/SP all-reduces or all-gathers + reduce-scatters (not overlapped)
+  double cp_comm = 0;      // CP exchange not hidden under attention (cp_traffic_per_layer; 0 at cp = 1)
   double p2p = 0;          // pipeline sends/receives (blocking)
   double bubble = 0;       // pipeline idle time of the slowest stage, from the simulator
   double dp_comm = 0;      // gradient reduction (+ ZeRO-3 parameter gathers), after the pipeline
-  double pipeline = 0;     // simulated makespan: compute + tp_comm + p2p + bubble
+  double pipeline = 0;     // simulated makespan: compute + tp_comm + cp_comm + p2p + bubble
   double step = 0;         // pipeline + dp_comm
   double bubble_fraction = 0;  // simulator: idle / busy of the slowest stage
   int64_t peak_inflight_chunks = 0;  // first stage, from the same simulation
@@ -67,6 +68,30 @@ struct TimeBreakdown {
 struct CostOptions {
   Precision precision = Precision::kBf16;
 };
+
+// What one CP rank exchanges for one transformer layer and one micro-batch, and how long it
+// takes. E bytes per element, K = b (S/c) (n_kv/t) d and Q = b (S/c) (a/t) d elements:
+//   p2p (ring attention): forward c-1 K,V blocks, 2 K E each; backward twice that (K,V
+//     again and the dK,dV that travel back to their owner). A transfer runs under the
+//     attention step before the one that needs it: c-1 of the c steps hide transfers, so
+//     exposed = max(0, transfer - (c-1)/c x attention time); backward the same with 2x both.
+//   a2a (Ulysses): forward one all-to-all over Q, K, V and one over the output, a rank
+//     sending (c-1)/c of them: (c-1)/c (2Q + 2K) E; backward the same again. Nothing hides
+//     them: exposed = transfer.
+// Recomputation repeats the forward exchange: full recompute for both; selective recompute
+// (the attention core) for p2p only, whose core is the ring itself, while a2a's core runs
+// on the exchanged tensors it saved. Over NVLink when the CP group (tp*cp consecutive
+// ranks) fits in a node, else over the node's network share. All zero at cp = 1.
+struct CpTraffic {
+  double forward_bytes = 0, backward_bytes = 0;  // one rank sends, per layer and micro-batch
+  double forward_s = 0, backward_s = 0;          // the transfers at the link's bandwidth
+  double exposed_forward_s = 0, exposed_backward_s = 0;  // not hidden under attention
+  double exposed_recompute_s = 0;                // the forward's again, when recompute repeats it
+  bool recompute_repeats = false;
+  bool intra_node = true;
+};
+CpTraffic cp_traffic_per_layer(const ModelSpec& model, const Layout& layout, const Cluster& cluster,
+                               const Calibration& cal, Precision precision = Precision::kBf16);
 
 // The per-chunk costs handed to the simulator and the simulation itself.
 struct PipelineCosts {

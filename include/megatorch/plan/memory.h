@@ -18,7 +18,8 @@ struct PrecisionBytes {
 PrecisionBytes precision_bytes(Precision p);
 
 // Bytes one DP rank holds for `num_params` parameters (the parameters of its TP/PP shard)
-// with `dp` ranks at a ZeRO stage: stage 1 shards the master params, master grads and
+// with `dp` ranks (dp * cp under context parallelism: CP ranks hold the same parameters) at
+// a ZeRO stage: stage 1 shards the master params, master grads and
 // optimizer states over dp, stage 2 the gradients too, stage 3 the parameters too. The names
 // follow DistributedOptimizer::memory_stats() (padding left out: exact division).
 struct StateBytes {
@@ -27,7 +28,7 @@ struct StateBytes {
 };
 StateBytes zero_state_bytes(double num_params, int64_t dp, int zero_stage, Precision precision);
 // The same for one rank of a GPT model under a layout: the parameters that rank holds
-// (params_per_rank of its pipeline stage) sharded by zero_state_bytes.
+// (params_per_rank of its pipeline stage) sharded by zero_state_bytes over dp * cp.
 StateBytes zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Precision precision, int64_t pp_rank = 0);
 
 // How activations are stored. The defaults are the paper's: 16-bit activations, 1-byte
@@ -46,6 +47,13 @@ struct ActivationOptions {
 // their tensors).
 double activation_bytes_per_layer(const ModelSpec& model, int64_t micro_batch, int64_t tp, bool sequence_parallel,
                                   Recompute recompute, const ActivationOptions& options = {});
+// The same for one rank of a layout, context parallelism included: a CP rank keeps S/c of
+// the tokens, and every term is proportional to the tokens it keeps, so the bytes are the
+// cp = 1 bytes / c. That holds for the attention core too: a rank's share of the
+// [b, a/t, S, S] scores is [b, a/t, S/c, S] (p2p: its queries against every key) or
+// [b, a/(t c), S, S] (a2a: its heads over the whole sequence). Kernels that keep no scores
+// (flash attention, megatorch's ring attention) keep less; the paper's count is the bound.
+double activation_bytes_per_layer(const ModelSpec& model, const Layout& layout, const ActivationOptions& options = {});
 
 struct MemoryBreakdown {
   int64_t stage = 0;   // the pipeline rank this breakdown is for (the fullest one)
@@ -53,7 +61,7 @@ struct MemoryBreakdown {
   double activations = 0;   // saved for backward: per layer x layers per stage x in flight
   double inflight_microbatches = 0;  // micro-batches of a whole stage in flight (simulator)
   double recompute_working = 0;      // one layer's activations rebuilt during backward (recompute)
-  double logits = 0;        // fp32 logits shard for the loss (last stage)
+  double logits = 0;        // fp32 logits shard for the loss (last stage): [b, S/c, V/t]
   double reserved = 0;      // runtime, communication buffers, fragmentation
   double total() const { return states.total() + activations + recompute_working + logits + reserved; }
 };

@@ -52,7 +52,17 @@ const char* to_string(Precision p);
 Precision parse_precision(const std::string& s);  // "bf16" | "fp16" | "fp32" | "mixed"
 int64_t activation_dtype_bytes(Precision p);      // 2, or 4 for fp32
 
-// One parallel layout of a training run on tp * pp * dp GPUs.
+// How the ranks of a context-parallel group exchange what attention needs across the
+// sequence split: p2p is ring attention (K and V travel the ring, overlapped with the
+// attention steps), a2a is DeepSpeed-Ulysses (all-to-alls swap sequence shards for head
+// shards around attention, not overlapped). Same names as --cp-comm-type.
+enum class CpCommType { kP2P, kA2A };
+const char* to_string(CpCommType t);                  // "p2p" | "a2a"
+CpCommType parse_cp_comm_type(const std::string& s);  // the inverse, failing with the valid names
+
+// One parallel layout of a training run on tp * cp * pp * dp GPUs (Megatron's rank order
+// tp-cp-dp-pp). Context parallelism splits each sequence over cp ranks; parameters are
+// replicated over CP, so gradients are reduced and ZeRO shards over dp * cp.
 struct Layout {
   int64_t tp = 1, pp = 1, dp = 1;
   int64_t vpp = 1;  // virtual pipeline chunks per stage (interleaved 1F1B when > 1)
@@ -60,15 +70,24 @@ struct Layout {
   int64_t micro_batch = 1;
   Recompute recompute = Recompute::kNone;
   bool sequence_parallel = false;
+  // Last, so that the positional initialisations written before CP keep meaning cp = 1.
+  int64_t cp = 1;
+  CpCommType cp_comm = CpCommType::kP2P;
 
-  int64_t gpus() const { return tp * pp * dp; }
-  // Micro-batches per step of one pipeline: global_batch / (micro_batch * dp).
+  int64_t gpus() const { return tp * cp * pp * dp; }
+  // Micro-batches per step of one pipeline: global_batch / (micro_batch * dp). CP ranks work
+  // on the same sequences, so cp does not divide the batch.
   int64_t num_microbatches(int64_t global_batch) const { return global_batch / (micro_batch * dp); }
-  std::string str() const;  // "TP=8 PP=8 DP=24 VP=2 ZeRO-1 mb=1 recompute=full SP"
+  // The ranks that hold the same parameters: gradients are reduced and ZeRO shards over them.
+  int64_t dp_cp() const { return dp * cp; }
+  // "TP=8 PP=8 DP=24 VP=2 ZeRO-1 mb=1 recompute=full SP"; with CP after TP, as in the rank
+  // order: "TP=2 CP=4(p2p) PP=2 DP=1 ...". cp = 1 prints as before CP existed.
+  std::string str() const;
 };
 
 // Checks the layout against the model, the GPU count and the global batch; fails naming the
-// constraint (e.g. TP*PP*DP != GPUs, heads not divisible by TP, batch not divisible by mb*DP).
+// constraint (e.g. TP*PP*DP != GPUs, heads not divisible by TP, batch not divisible by mb*DP,
+// the sequence not divisible by 2*CP, a2a's heads per TP rank not divisible by CP).
 void validate_layout(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
 // The same checks, returning the first failure's message instead of throwing ("" when valid).
 std::string layout_error(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
@@ -106,5 +125,16 @@ struct LayerFlops {
 LayerFlops layer_forward_flops(const ModelSpec& m, int64_t micro_batch);
 // Forward FLOPs of the output head (logits) for `micro_batch` sequences.
 double head_forward_flops(const ModelSpec& m, int64_t micro_batch);
+
+// ---- context parallelism: the sequence split (the same on every layer)
+
+// A sequence of S tokens is cut into 2c chunks of S/(2c); CP rank r holds chunks r and
+// 2c-1-r so that under the causal mask every rank has the same attention work.
+struct CpShare {
+  int64_t tokens = 0;        // S / c per rank
+  int64_t chunk_tokens = 0;  // S / (2c)
+  int64_t num_chunks = 0;    // 2c
+};
+CpShare cp_share(const ModelSpec& m, int64_t cp);  // fails unless S is divisible by 2c (c > 1)
 
 }  // namespace megatorch::plan

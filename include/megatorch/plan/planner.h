@@ -1,6 +1,6 @@
 #pragma once
-// The planner: enumerates the layouts of a model on a cluster (TP <= GPUs per node, PP, DP,
-// virtual stages, ZeRO stage, micro-batch, recompute, SP), predicts each one's memory and
+// The planner: enumerates the layouts of a model on a cluster (TP <= GPUs per node, CP, PP,
+// DP, virtual stages, ZeRO stage, micro-batch, recompute, SP), predicts each one's memory and
 // step time, rejects those that do not fit and ranks the rest. Any knob can be fixed.
 #include <cstdint>
 #include <map>
@@ -25,6 +25,11 @@ struct PlanRequest {
   double reserved_gb = 2.0;  // runtime, communication buffers, fragmentation
   // Fixed knobs; unset ones are searched.
   std::optional<int64_t> tp, pp, dp, vpp, micro_batch;
+  // Context parallelism: unset searches the powers of two c that divide the GPUs left by TP
+  // and PP and split the sequence into 2c chunks (S/c divisible by TP under SP; a2a: the
+  // heads and key/value heads per TP rank divisible by c). The comm type is not searched.
+  std::optional<int64_t> cp;
+  CpCommType cp_comm_type = CpCommType::kP2P;
   std::optional<int> zero_stage;
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;

@@ -1,5 +1,6 @@
-"""build/bin/megatorch-plan: flags, --json, --explain, errors, calibration round trip, and its
-activation memory against what the real megatorch layer saves (scripts/activation_memory.py)."""
+"""build/bin/megatorch-plan: flags, --json, --explain, errors, calibration round trip, context
+parallelism, and its activation memory against what the real megatorch layer saves
+(scripts/activation_memory.py)."""
 import json
 import os
 import subprocess
@@ -33,7 +34,9 @@ def test_preset_ranks_fitting_layouts():
     assert steps == sorted(steps)
     for t in top:
         lay = t["layout"]
-        assert lay["tensor_model_parallel_size"] * lay["pipeline_model_parallel_size"] * lay["data_parallel_size"] == 8
+        assert (lay["tensor_model_parallel_size"] * lay["context_parallel_size"] * lay["pipeline_model_parallel_size"]
+                * lay["data_parallel_size"]) == 8
+        assert lay["cp_comm_type"] == "p2p"
         assert t["memory"]["total_bytes"] <= 80e9
     assert top[1]["why_lost"].startswith("+")
 
@@ -42,11 +45,12 @@ def test_fixed_knobs_are_honoured():
     report = plan_json("--model", "gpt3-175b", "--nodes", "16", "--global-batch-size", "512",
                        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
                        "--virtual-pipeline-model-parallel-size", "2", "--zero-stage", "1", "--micro-batch-size", "1",
-                       "--recompute-granularity", "selective", "--sequence-parallel")
+                       "--recompute-granularity", "selective", "--sequence-parallel", "--context-parallel-size", "1")
     for t in report["top"]:
         assert t["layout"] == {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 8,
                                "data_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "zero_stage": 1,
-                               "micro_batch_size": 1, "recompute_granularity": "selective", "sequence_parallel": True}
+                               "micro_batch_size": 1, "recompute_granularity": "selective", "sequence_parallel": True,
+                               "context_parallel_size": 1, "cp_comm_type": "p2p"}
     assert len(report["top"]) == 1
     time = report["top"][0]["time"]
     assert time["bubble_fraction"] > 0  # from the simulator: p = 8, m = 256, v = 2
@@ -85,7 +89,7 @@ def test_calibration_round_trip_changes_predictions(tmp_path):
     assert measured["measurements"]["matmul"]
     args = ["--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "32", "--tensor-model-parallel-size", "2",
             "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "1",
-            "--micro-batch-size", "1", "--zero-stage", "1",
+            "--micro-batch-size", "1", "--zero-stage", "1", "--context-parallel-size", "1",
             "--recompute-granularity", "full", "--no-sequence-parallel"]
     default = plan_json(*args)
     calibrated = plan_json(*args, "--calibration", str(path))
@@ -97,6 +101,58 @@ def test_calibration_round_trip_changes_predictions(tmp_path):
     bad.write_text('{"matmul_efficiency": 0.5}')
     out = run(*args, "--calibration", str(bad))
     assert out.returncode != 0 and "matmul_half_width" in out.stderr
+
+
+# ---- context parallelism
+
+CP_ARGS = ["--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "8", "--tensor-model-parallel-size", "4",
+           "--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
+           "--micro-batch-size", "1", "--zero-stage", "1", "--recompute-granularity", "none", "--sequence-parallel"]
+
+
+def test_context_parallel_layout_fields_and_memory():
+    # 8192 tokens without recompute: 123 GB per GPU at CP 1, so a larger GPU to compare.
+    one = plan_json(*CP_ARGS, "--context-parallel-size", "1", "--gpu-memory-gb", "200")["top"][0]
+    two = plan_json(*CP_ARGS, "--context-parallel-size", "2", "--gpu-memory-gb", "200")["top"][0]
+    assert one["layout"]["context_parallel_size"] == 1 and one["layout"]["data_parallel_size"] == 2
+    assert two["layout"]["context_parallel_size"] == 2 and two["layout"]["data_parallel_size"] == 1
+    assert two["layout"]["cp_comm_type"] == "p2p"
+    # Activations and logits per rank halve; ZeRO shards over DP x CP = 2 either way.
+    assert two["memory"]["activation_bytes"] == one["memory"]["activation_bytes"] / 2
+    assert two["memory"]["logits_bytes"] == one["memory"]["logits_bytes"] / 2
+    assert two["memory"]["optimizer_state_bytes"] == one["memory"]["optimizer_state_bytes"]
+    assert one["time"]["cp_comm_s"] == 0 and two["time"]["cp_comm_s"] >= 0
+
+
+def test_context_parallel_explain_shows_the_share_and_traffic():
+    out = run(*CP_ARGS, "--context-parallel-size", "2", "--explain")
+    assert out.returncode == 0, out.stderr
+    assert "TP=4 CP=2(p2p) PP=1 DP=1" in out.stdout
+    assert "4096 of 8192 tokens per CP rank" in out.stdout
+    assert "rank r holds chunks r and 3-r: rank 0: 0 and 3, rank 1: 1 and 2" in out.stdout
+    # 1 hop of K and V: 2 x b (S/c) (n_kv/t) d x 2 bytes = 2 x 4096 x 2 x 128 x 2.
+    assert "forward 4.19 MB" in out.stdout and "backward 8.39 MB" in out.stdout
+    out = run(*CP_ARGS, "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--explain")
+    assert out.returncode == 0, out.stderr
+    assert "a2a (Ulysses" in out.stdout and "none of it hidden" in out.stdout
+
+
+def test_context_parallel_searched_when_not_fixed():
+    report = plan_json("--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "64", "--top", "50")
+    sizes = {t["layout"]["context_parallel_size"] for t in report["top"]}
+    assert sizes <= {1, 2, 4, 8} and max(sizes) > 1  # S = 8192 without recompute: CP fits
+
+
+def test_context_parallel_errors():
+    # llama3-8b at TP 8: one key/value head per TP rank, which a2a cannot split over 2 ranks.
+    out = run("--model", "llama3-8b", "--nodes", "2", "--tensor-model-parallel-size", "8",
+              "--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    assert out.returncode != 0 and "a2a splits the heads" in out.stderr
+    out = run("--model", "llama3-8b", "--nodes", "1", "--cp-comm-type", "ring")
+    assert out.returncode != 0 and "'p2p' or 'a2a', got 'ring'" in out.stderr
+    out = run("--model", "llama3-8b", "--nodes", "1", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "2", "--data-parallel-size", "1", "--context-parallel-size", "4")
+    assert out.returncode != 0 and "TP*CP*PP*DP = 2*4*2*1 = 16 does not equal the 8 GPUs" in out.stderr
 
 
 # ---- activation memory: the planner's per-layer prediction vs the real layer (t = 1)
