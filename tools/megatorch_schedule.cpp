@@ -1,9 +1,13 @@
 // megatorch-schedule: builds a pipeline schedule, simulates it and reports its bubble,
 // makespan and activations in flight per rank; checks the executor's p2p batches
-// against NCCL's rules (nccl_order_model.h); optionally draws its timeline as SVG.
+// against NCCL's rules (nccl_order_model.h); optionally draws its timeline as SVG. Given
+// the sequence length and hidden size it also sizes the tensor sent between stages and the
+// bytes each rank sends per step; under context parallelism that tensor is each rank's
+// share of the sequence, [S/c (/t under SP), b, h].
 //
 //   megatorch-schedule --schedule interleaved --pipeline-model-parallel-size 4
 //       --num-microbatches 8 --virtual-pipeline-model-parallel-size 2 --json --svg t.svg
+//   megatorch-schedule -p 4 -m 8 --context-parallel-size 2 --seq-length 8192 --hidden-size 4096
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -15,8 +19,10 @@
 #include "megatorch/pipeline/schedule.h"
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/pipeline/timeline_svg.h"
+#include "megatorch/plan/model_spec.h"
 
 namespace mp = megatorch::pipeline;
+namespace plan = megatorch::plan;
 
 namespace {
 
@@ -26,10 +32,65 @@ struct Args {
   mp::SimulatorOptions costs;
   bool json = false, list_actions = false, list_steps = false;
   std::string svg;
+  // The tensor between stages (optional: without seq and hidden only ticks are reported).
+  int64_t cp = 1, seq = 0, hidden = 0, micro_batch = 1, tp = 1, bytes_per_element = 2;
+  std::string cp_comm = "p2p";
+  bool sequence_parallel = false;
+  bool sized() const { return seq > 0 && hidden > 0; }
 };
 
+// What one pipeline rank sends to its neighbour per transfer: its CP share of the sequence
+// (S/c tokens: chunks r and 2c-1-r), further split over TP under SP, as megatorch's
+// PipelineStage shapes it ([s/t or s, b, h]).
+struct StageTensor {
+  int64_t tokens = 0, micro_batch = 0, hidden = 0;
+  int64_t bytes = 0;
+};
+
+StageTensor stage_tensor(const Args& a) {
+  StageTensor t;
+  t.tokens = a.seq / a.cp / (a.sequence_parallel ? a.tp : 1);
+  t.micro_batch = a.micro_batch, t.hidden = a.hidden;
+  t.bytes = t.tokens * t.micro_batch * t.hidden * a.bytes_per_element;
+  return t;
+}
+
+// Fails unless the CP and tensor sizes can split the sequence as megatorch does.
+void check_sizes(const Args& a) {
+  MEGATORCH_CHECK(a.cp >= 1 && a.tp >= 1 && a.micro_batch >= 1 && a.bytes_per_element >= 1,
+                  "expected --context-parallel-size, --tensor-model-parallel-size, --micro-batch-size and "
+                  "--bytes-per-element >= 1, got ", a.cp, ", ", a.tp, ", ", a.micro_batch, ", ", a.bytes_per_element);
+  plan::parse_cp_comm_type(a.cp_comm);  // fails naming p2p and a2a
+  MEGATORCH_CHECK((a.seq > 0) == (a.hidden > 0), "give both --seq-length and --hidden-size to size the tensor between "
+                  "stages, or neither; got --seq-length ", a.seq, " and --hidden-size ", a.hidden);
+  if (!a.sized()) return;
+  MEGATORCH_CHECK(a.cp == 1 || a.seq % (2 * a.cp) == 0, "expected --seq-length (", a.seq, ") divisible by 2 x "
+                  "--context-parallel-size (", 2 * a.cp, "): CP cuts the sequence into 2c chunks; change either");
+  MEGATORCH_CHECK(!a.sequence_parallel || (a.seq / a.cp) % a.tp == 0, "expected the tokens per CP rank (", a.seq / a.cp,
+                  ") divisible by --tensor-model-parallel-size (", a.tp, ") under --sequence-parallel; change the "
+                  "sizes or drop --sequence-parallel");
+}
+
+// Sends of one step per rank: every send (activation or gradient) carries one stage tensor.
+std::vector<int64_t> sends_per_rank(const std::vector<std::vector<mp::Action>>& lists) {
+  std::vector<int64_t> sends;
+  for (const auto& list : lists) {
+    int64_t n = 0;
+    for (const auto& action : list) n += mp::is_send(action.kind) ? 1 : 0;
+    sends.push_back(n);
+  }
+  return sends;
+}
+
+std::string cp_share_line(const Args& a) {
+  return "context parallel " + std::to_string(a.cp) + " (" + a.cp_comm + "): each pipeline rank holds S/" +
+         std::to_string(a.cp) + " of every sequence (chunks r and " + std::to_string(2 * a.cp - 1) + "-r of " +
+         std::to_string(2 * a.cp) + "); the tensor between stages is [S/" + std::to_string(a.cp) +
+         (a.sequence_parallel ? "/t" : "") + ", b, h] per rank; the tick costs are per chunk as given (with c in them)";
+}
+
 nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
-                           const mp::NcclOrderReport& nccl) {
+                           const mp::NcclOrderReport& nccl, const std::vector<int64_t>& sends) {
   const mp::Ratio formula = mp::formula_bubble_fraction(kind, a.p, a.m, a.v);
   nlohmann::json j;
   j["schedule"] = mp::schedule_kind_name(kind);
@@ -60,11 +121,26 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
                {"makespan", nccl.makespan},
                {"bubble_fraction", nccl.bubble_fraction.value()},
                {"bubble_fraction_exact", nccl.bubble_fraction.str()}};
+  // Only when asked for: without CP or sizes the report is what it always was.
+  if (a.cp > 1) {
+    j["context_parallel_size"] = a.cp;
+    j["cp_comm_type"] = a.cp_comm;
+  }
+  if (a.sized()) {
+    const StageTensor t = stage_tensor(a);
+    j["stage_tensor"] = {{"shape", {t.tokens, t.micro_batch, t.hidden}}, {"bytes", t.bytes},
+                         {"sequence_parallel", a.sequence_parallel}, {"tensor_model_parallel_size", a.tp},
+                         {"context_parallel_size", a.cp}};
+    nlohmann::json bytes = nlohmann::json::array();
+    for (int64_t n : sends) bytes.push_back(n * t.bytes);
+    j["p2p_sends_per_rank"] = sends;
+    j["p2p_send_bytes_per_rank"] = bytes;
+  }
   return j;
 }
 
 void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
-                   const mp::NcclOrderReport& nccl) {
+                   const mp::NcclOrderReport& nccl, const std::vector<int64_t>& sends) {
   const mp::Ratio formula = mp::formula_bubble_fraction(kind, a.p, a.m, a.v);
   std::printf("schedule %s: %lld stages, %lld micro-batches, %lld chunk(s) per stage\n", mp::schedule_kind_name(kind),
               static_cast<long long>(a.p), static_cast<long long>(a.m), static_cast<long long>(a.v));
@@ -91,11 +167,26 @@ void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationRes
               static_cast<long long>(nccl.batches), static_cast<long long>(nccl.max_batch),
               static_cast<long long>(nccl.ops), mp::recv_posting_name(mp::recv_posting(kind)),
               nccl.bubble_fraction.str().c_str(), nccl.bubble_fraction.value());
+  if (a.cp > 1) std::printf("%s\n", cp_share_line(a).c_str());
+  if (a.sized()) {
+    const StageTensor t = stage_tensor(a);
+    const std::string sp = a.sequence_parallel ? " / TP " + std::to_string(a.tp) + " under SP" : "";
+    std::printf("tensor between stages, per rank: [%lld, %lld, %lld] = %lld bytes (S=%lld / CP %lld%s)\n",
+                static_cast<long long>(t.tokens), static_cast<long long>(t.micro_batch),
+                static_cast<long long>(t.hidden), static_cast<long long>(t.bytes), static_cast<long long>(a.seq),
+                static_cast<long long>(a.cp), sp.c_str());
+    std::printf("%6s %8s %14s\n", "rank", "sends", "bytes sent");
+    for (size_t r = 0; r < sends.size(); ++r)
+      std::printf("%6zu %8lld %14lld\n", r, static_cast<long long>(sends[r]),
+                  static_cast<long long>(sends[r] * t.bytes));
+  }
 }
 
 int run(const Args& a) {
   const mp::ScheduleKind kind = mp::parse_schedule_kind(a.schedule);
+  check_sizes(a);
   const auto lists = mp::build_schedules(kind, a.p, a.m, a.v);
+  const std::vector<int64_t> sends = sends_per_rank(lists);
   mp::SimulatorOptions costs = a.costs;
   costs.record_timeline = !a.svg.empty() || a.list_actions;
   const mp::SimulationResult sim = mp::simulate(lists, a.m, a.v, costs);
@@ -117,10 +208,10 @@ int run(const Args& a) {
     mp::write_timeline_svg(a.svg, records, svg);
   }
   if (a.json) {
-    std::cout << report_json(a, kind, sim, nccl).dump() << std::endl;
+    std::cout << report_json(a, kind, sim, nccl, sends).dump() << std::endl;
     return 0;
   }
-  print_summary(a, kind, sim, nccl);
+  print_summary(a, kind, sim, nccl, sends);
   if (a.list_actions) {
     for (size_t r = 0; r < sim.ranks.size(); ++r) {
       std::printf("rank %zu:\n", r);
@@ -154,6 +245,17 @@ int main(int argc, char** argv) {
   app.add_option("--forward-cost", a.costs.forward_cost, "ticks per forward of one chunk")->capture_default_str();
   app.add_option("--backward-cost", a.costs.backward_cost, "ticks per backward of one chunk")->capture_default_str();
   app.add_option("--p2p-cost", a.costs.p2p_cost, "transfer latency in ticks (overlaps compute)")->capture_default_str();
+  app.add_option("--context-parallel-size", a.cp, "CP size c: each rank holds S/c of every sequence")
+      ->capture_default_str();
+  app.add_option("--cp-comm-type", a.cp_comm, "p2p (ring attention) or a2a (Ulysses); reported only")
+      ->capture_default_str();
+  app.add_option("--seq-length", a.seq, "S: with --hidden-size, size the tensor sent between stages");
+  app.add_option("--hidden-size", a.hidden, "h of the tensor sent between stages");
+  app.add_option("--micro-batch-size", a.micro_batch, "b of the tensor sent between stages")->capture_default_str();
+  app.add_option("--tensor-model-parallel-size", a.tp, "t: splits the sent tensor under --sequence-parallel")
+      ->capture_default_str();
+  app.add_flag("--sequence-parallel", a.sequence_parallel, "the sent tensor is [S/c/t, b, h]");
+  app.add_option("--bytes-per-element", a.bytes_per_element, "2 for bf16/fp16, 4 for fp32")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object instead of the summary");
   app.add_flag("--actions", a.list_actions, "also print every rank's timed action list");
   app.add_flag("--p2p-steps", a.list_steps, "also print every rank's steps as the executor posts them (NCCL batches)");

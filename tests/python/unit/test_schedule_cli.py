@@ -1,4 +1,5 @@
-"""build/bin/megatorch-schedule: the documented flags, --json fields and --svg."""
+"""build/bin/megatorch-schedule: the documented flags, --json fields, --svg, and the tensor between
+stages under context parallelism."""
 import json
 import os
 import subprocess
@@ -48,3 +49,49 @@ def test_interleaved_rejects_m_not_multiple_of_p():
               "--virtual-pipeline-model-parallel-size", "2")
     assert out.returncode != 0
     assert "multiple" in out.stderr
+
+
+def test_context_parallel_one_changes_nothing():
+    base = ["--schedule", "interleaved", "--pipeline-model-parallel-size", "4", "--num-microbatches", "8",
+            "--virtual-pipeline-model-parallel-size", "2"]
+    for extra in ([], ["--json"]):
+        plain, cp1 = run(*base, *extra), run(*base, *extra, "--context-parallel-size", "1", "--cp-comm-type", "p2p")
+        assert plain.returncode == 0 and plain.stdout == cp1.stdout
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_stage_tensor_is_the_cp_share(sp):
+    args = ["--pipeline-model-parallel-size", "4", "--num-microbatches", "8", "--seq-length", "8192",
+            "--hidden-size", "4096", "--micro-batch-size", "2", "--tensor-model-parallel-size", "4", "--json"]
+    if sp:
+        args.append("--sequence-parallel")
+    reports = {}
+    for c in (1, 2, 4):
+        out = run(*args, "--context-parallel-size", str(c))
+        assert out.returncode == 0, out.stderr
+        reports[c] = json.loads(out.stdout)
+    t = 4 if sp else 1
+    for c, report in reports.items():
+        tokens = 8192 // c // t
+        assert report["stage_tensor"]["shape"] == [tokens, 2, 4096]
+        assert report["stage_tensor"]["bytes"] == tokens * 2 * 4096 * 2
+        # 1F1B: every rank but the last sends m activations, every rank but the first m gradients.
+        assert report["p2p_sends_per_rank"] == [8, 16, 16, 8]
+        assert report["p2p_send_bytes_per_rank"] == [n * tokens * 2 * 4096 * 2 for n in [8, 16, 16, 8]]
+        assert ("context_parallel_size" in report) == (c > 1)
+    assert reports[2]["p2p_send_bytes_per_rank"][1] * 2 == reports[1]["p2p_send_bytes_per_rank"][1]
+    assert reports[4]["cp_comm_type"] == "p2p"
+    # The simulation itself does not change: costs are given per chunk, with c in them.
+    assert reports[1]["makespan"] == reports[4]["makespan"]
+
+
+def test_context_parallel_share_in_the_summary_and_errors():
+    out = run("-p", "2", "-m", "4", "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--seq-length", "4096",
+              "--hidden-size", "1024")
+    assert out.returncode == 0, out.stderr
+    assert "context parallel 2 (a2a): each pipeline rank holds S/2 of every sequence (chunks r and 3-r of 4)" in out.stdout
+    assert "tensor between stages, per rank: [2048, 1, 1024] = 4194304 bytes" in out.stdout
+    out = run("-p", "2", "-m", "4", "--context-parallel-size", "3", "--seq-length", "4096", "--hidden-size", "1024")
+    assert out.returncode != 0 and "divisible by 2 x --context-parallel-size (6)" in out.stderr
+    out = run("-p", "2", "-m", "4", "--context-parallel-size", "2", "--cp-comm-type", "ring")
+    assert out.returncode != 0 and "'p2p' or 'a2a'" in out.stderr
