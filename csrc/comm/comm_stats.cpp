@@ -41,6 +41,7 @@ const char* comm_op_name(CommOp op) {
     case CommOp::kSend: return "send";
     case CommOp::kRecv: return "recv";
     case CommOp::kBarrier: return "barrier";
+    case CommOp::kAllToAll: return "all_to_all";
     case CommOp::kCount: break;
   }
   return "?";

@@ -190,6 +190,38 @@ at::Tensor Group::reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp 
   return reduce_scatter_async(input, dim, op).wait();
 }
 
+Work Group::all_to_all_async(const at::Tensor& input, int64_t split_dim, int64_t concat_dim) {
+  split_dim = normalize_dim(split_dim, input, "all_to_all");
+  concat_dim = normalize_dim(concat_dim, input, "all_to_all");
+  MEGATORCH_CHECK(input.size(split_dim) % size_ == 0, "all_to_all on group '", name_, "': expected dim ", split_dim,
+                  " of the input (shape ", input.sizes(), ") to be divisible by the group size ", size_,
+                  "; choose sizes the group divides");
+  if (size_ == 1) return Work(input.clone(at::MemoryFormat::Contiguous));
+  // Only the chunks for the other ranks leave this one.
+  auto info = begin(CommOp::kAllToAll, input.nbytes() / size_ * (size_ - 1), backend_for(input));
+  // alltoall_base splits dim 0 equally: bring split_dim to the front as [size, chunk, ...].
+  std::vector<int64_t> shape{size_, input.size(split_dim) / size_};
+  at::Tensor front = input.movedim(split_dim, 0);
+  for (int64_t d = 1; d < front.dim(); ++d) shape.push_back(front.size(d));
+  at::Tensor in = front.reshape(shape).contiguous();
+  at::Tensor out = at::empty_like(in);
+  std::vector<int64_t> equal_splits;  // empty: equal splits
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  auto work = pg_->alltoall_base(out, in, equal_splits, equal_splits, opts);
+  const int64_t n = size_;
+  return Work(work, info, [out, in, n, split_dim, concat_dim]() {
+    std::vector<at::Tensor> pieces;
+    pieces.reserve(n);
+    for (int64_t j = 0; j < n; ++j) pieces.push_back(out.select(0, j).movedim(0, split_dim));
+    return at::cat(pieces, concat_dim);
+  });
+}
+
+at::Tensor Group::all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim) {
+  return all_to_all_async(input, split_dim, concat_dim).wait();
+}
+
 Work Group::broadcast_async(at::Tensor& tensor, int64_t src) {
   MEGATORCH_CHECK(src >= 0 && src < size_, "broadcast on group '", name_, "': expected src in [0, ",
                   size_, "), got ", src);

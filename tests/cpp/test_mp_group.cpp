@@ -67,6 +67,36 @@ TEST_CASE("all_gather and reduce_scatter along any dim", "[mp]") {
   }
 }
 
+TEST_CASE("all_to_all along any pair of dims, and its bytes", "[mp]") {
+  auto st = mp::state(1, 1, "grp_a2a");
+  Group g(*st, GroupKind::kWorld);
+  const int64_t n = g.size(), r = g.rank();
+  g.reset_stats();
+  // Element [i, j, k] of rank r is 1000 r + 100 i + 10 j + k: the sender and its index are visible.
+  auto make = [](int64_t a, int64_t b, int64_t c, int64_t from) {
+    return torch::arange(a, torch::kDouble).view({a, 1, 1}) * 100 +
+           torch::arange(b, torch::kDouble).view({1, b, 1}) * 10 + torch::arange(c, torch::kDouble).view({1, 1, c}) +
+           1000.0 * from;
+  };
+  const auto x = make(2 * n, 3, 2, r);
+  // Ulysses' swap: split dim 0 (heads), concatenate along dim 1 (sequence).
+  auto y = g.all_to_all(x, 0, 1);
+  REQUIRE(y.sizes() == torch::IntArrayRef({2, 3 * n, 2}));
+  for (int64_t j = 0; j < n; ++j) CHECK(torch::equal(y.narrow(1, 3 * j, 3), make(2 * n, 3, 2, j).narrow(0, 2 * r, 2)));
+  // And back: the inverse swap restores the input; negative dims and a non-contiguous input.
+  CHECK(torch::equal(g.all_to_all(y.transpose(0, 2), -2, -1).transpose(0, 2), x));
+  // split_dim == concat_dim: a plain exchange of chunks.
+  auto z = g.all_to_all(x, 0, 0);
+  for (int64_t j = 0; j < n; ++j) CHECK(torch::equal(z.narrow(0, 2 * j, 2), make(2 * n, 3, 2, j).narrow(0, 2 * r, 2)));
+  const auto s = g.stats()[CommOp::kAllToAll];
+  CHECK(s.calls == (n > 1 ? 3 : 0));
+  CHECK(s.bytes == (n > 1 ? 3 * static_cast<int64_t>(x.nbytes()) / n * (n - 1) : 0));  // what leaves this rank
+  CHECK(g.stats().total().bytes == s.bytes);
+  if (n > 1) {
+    CHECK_THROWS_WITH(g.all_to_all(torch::ones({n + 1, 2}), 0, 1), Catch::Contains("divisible by the group size"));
+  }
+}
+
 TEST_CASE("broadcast, send/recv ring, barrier, async handles", "[mp]") {
   auto st = mp::state(1, 1, "grp_p2p");
   Group g(*st, GroupKind::kWorld);

@@ -6,7 +6,8 @@ import torch
 
 def comm_stats(group_name: str) -> Dict[str, Dict[str, int]]:
     """Counters of one group: ``{op: {"calls": n, "bytes": n}}`` for every operation
-    (all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier) and "total".
+    (all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier,
+    all_to_all) and "total".
     """
     flat = torch.ops.megatorch.comm_stats(group_name)
     out: Dict[str, Dict[str, int]] = {}

@@ -8,6 +8,8 @@
 //   reduce_scatter  the full input (not the scattered shard)
 //   broadcast       the tensor, on every rank
 //   send / recv     the tensor sent / the buffer received into
+//   all_to_all      the part of the input sent to other ranks: input bytes x (size-1)/size
+//                   (the chunk a rank keeps for itself never leaves it)
 //   barrier         0
 // Groups of one rank move nothing and count nothing. Counters are kept per group name,
 // so every handle on the same group (C++ Group, operator calls, Python) shares them, and a
@@ -23,7 +25,7 @@
 namespace megatorch::comm {
 
 // kCount is no operation: it counts them, so a new one goes before it.
-enum class CommOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kSend, kRecv, kBarrier, kCount };
+enum class CommOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kSend, kRecv, kBarrier, kAllToAll, kCount };
 constexpr int kNumCommOps = static_cast<int>(CommOp::kCount);
 const char* comm_op_name(CommOp op);
 

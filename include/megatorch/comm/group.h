@@ -96,6 +96,11 @@ class Group {
   // Reduction of every rank's `input`, split along `dim`; this rank's chunk.
   at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim = 0, ReduceOp op = ReduceOp::kSum);
   Work reduce_scatter_async(const at::Tensor& input, int64_t dim = 0, ReduceOp op = ReduceOp::kSum);
+  // `input` split equally along `split_dim` into size() chunks, chunk j sent to rank j;
+  // the chunks received concatenated along `concat_dim` in rank order (c10d's
+  // alltoall_base after moving split_dim to the front). Ulysses' sequence <-> head swap.
+  at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim);
+  Work all_to_all_async(const at::Tensor& input, int64_t split_dim, int64_t concat_dim);
   // `src`, `dst` are ranks within this group.
   at::Tensor broadcast(at::Tensor& tensor, int64_t src);
   Work broadcast_async(at::Tensor& tensor, int64_t src);
