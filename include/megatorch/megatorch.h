@@ -19,6 +19,7 @@
 #include "megatorch/tp/vocab_parallel_embedding.h"
 #include "megatorch/transformer/attention.h"
 #include "megatorch/transformer/config.h"
+#include "megatorch/transformer/context_parallel.h"
 #include "megatorch/transformer/mlp.h"
 #include "megatorch/transformer/norm.h"
 #include "megatorch/transformer/recompute.h"
