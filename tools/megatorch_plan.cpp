@@ -26,7 +26,7 @@ struct Args {
   int64_t layers = 0, hidden = 0, heads = 0, groups = 0, ffn = 0, vocab = 0, seq = 0, divisible_by = 128;
   int64_t tp = 0, cp = 0, pp = 0, dp = 0, vpp = 0, mb = 0, top = 5;
   int zero = -1;
-  bool json = false, explain = false, megatorch_activations = false, math_attention = false;
+  bool json = false, explain = false, megatorch_activations = false, math_attention = false, flash_attention = false;
   double mask_bytes = 1;
 };
 
@@ -74,10 +74,14 @@ void print_cp_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   const mp::MemoryOptions mo = mp::memory_options(r);
   mp::Layout one = l;
   one.cp = 1;
+  const bool kept_twice = mo.activations.flash_attention && l.recompute == mp::Recompute::kNone;
   std::printf("  activations per layer and micro-batch: %.3f GB per rank (%.3f GB at CP=1, / %lld: every term is "
-              "proportional to the rank's tokens)\n",
+              "proportional to the rank's tokens%s)\n",
               gb(mp::activation_bytes_per_layer(r.model, l, mo.activations)),
-              gb(mp::activation_bytes_per_layer(r.model, one, mo.activations)), static_cast<long long>(cp));
+              gb(mp::activation_bytes_per_layer(r.model, one, mo.activations)), static_cast<long long>(cp),
+              !kept_twice ? ""
+              : l.cp_comm == mp::CpCommType::kA2A ? "; plus the attention output kept twice and 16*S bytes of token order"
+                                                   : "; plus the attention output kept twice");
   const mp::CpTraffic tr = mp::cp_traffic_per_layer(r.model, l, r.cluster, r.calibration, r.precision);
   const char* link = tr.intra_node ? "NVLink" : "the network";
   if (l.cp_comm == mp::CpCommType::kP2P)
@@ -234,11 +238,14 @@ int main(int argc, char** argv) {
   app.add_option("--recompute-granularity", a.recompute, "none, selective or full");
   app.add_flag("--sequence-parallel", a.sp, "fix sequence parallelism on");
   app.add_flag("--no-sequence-parallel", a.no_sp, "fix sequence parallelism off");
-  app.add_option("--mask-bytes", a.mask_bytes, "bytes per dropout-mask element (1 on CUDA, 4 on CPU)")
+  app.add_option("--mask-bytes", a.mask_bytes, "bytes per dropout-mask element (1 on CUDA, 4 on CPU, 0 without dropout)")
       ->capture_default_str();
   app.add_flag("--megatorch-activations", a.megatorch_activations,
                "count what megatorch's layer keeps beyond Korthikanti (norm statistics)");
   app.add_flag("--math-attention", a.math_attention, "attention runs SDPA's math path (CPU with dropout)");
+  app.add_flag("--flash-attention", a.flash_attention,
+               "attention keeps no s x s scores, as megatorch's runs without attention dropout and under CP "
+               "(flash SDPA, ring attention, Ulysses): a log-sum-exp per query instead");
   app.add_option("--top", a.top, "layouts to list")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object");
   app.add_flag("--explain", a.explain, "print the full memory and time breakdown of the best layout");
@@ -279,6 +286,7 @@ int main(int argc, char** argv) {
     r.activations.mask_bytes = a.mask_bytes;
     r.activations.megatorch_extras = a.megatorch_activations;
     r.activations.math_attention = a.math_attention;
+    r.activations.flash_attention = a.flash_attention;
     if (!a.calibration.empty()) r.calibration = mp::load_calibration(a.calibration);
     if (a.tp) r.tp = a.tp;
     if (a.cp) r.cp = a.cp;

@@ -40,7 +40,12 @@ namespace {
 // `cp` ranks share the sequence: a rank keeps s/cp tokens of every [s, b, h] tensor and s/cp
 // query rows of the [b, a, s, s] scores (see the header for a2a).
 double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
-                              const ActivationOptions& o, int64_t cp) {
+                              const ActivationOptions& o, int64_t cp, CpCommType comm) {
+  MEGATORCH_CHECK(!(o.flash_attention && o.math_attention),
+                  "activation memory: expected at most one attention kernel, got both flash_attention and "
+                  "math_attention (--flash-attention and --math-attention); give --flash-attention for SDPA's flash "
+                  "kernel (no attention dropout, and always under context parallelism) or --math-attention for its "
+                  "math path (CPU with attention dropout), not both");
   const double s = m.seq_length, h = m.hidden_size, t = static_cast<double>(tp);
   const double tokens = s / static_cast<double>(cp);                      // this CP rank's
   const double u = tokens * b * h;                                        // one [s/c, b, h] tensor, elements
@@ -57,8 +62,24 @@ double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp
   const double qkv = (m.num_attention_heads + 2.0 * m.query_groups()) * m.head_dim() / h;
   const double mlp = (m.swiglu ? 3.0 : 2.0) * m.ffn() / h;
   bytes += E * (qkv + 1 + mlp) * u / t;
-  // The core attention: softmax output and dropout output (16-bit) and the dropout mask.
-  if (r == Recompute::kNone) bytes += (2 * E + M) * A / t;
+  if (r == Recompute::kNone) {
+    if (!o.flash_attention) {
+      // The core attention: softmax output and dropout output (16-bit) and the dropout mask.
+      bytes += (2 * E + M) * A / t;
+    } else {
+      // F: flash attention keeps no scores, only its fp32 log-sum-exp [b, a/t, s/c] (p2p: the
+      // rank's queries; a2a: [b, a/(t c), s], the same bytes). Its output is the output
+      // projection's input, counted above.
+      bytes += 4.0 * m.num_attention_heads * tokens * b / t;
+      if (cp > 1) {
+        // O: the CP attention's output [b, a/t, S/c, d] and the projection's [S/c, b, h/t]
+        // copy of it (at c = 1 the projection's input is a view of SDPA's output).
+        bytes += E * u / t;
+        // I: Ulysses' two int64 token-order indices over the whole sequence (not / c, not / t).
+        if (comm == CpCommType::kA2A) bytes += 2 * 8 * s;
+      }
+    }
+  }
   if (o.megatorch_extras) {
     // L: at::layer_norm's fp32 mean and 1/std per token (RMSNorm: 1/rms only), two norms.
     bytes += 2 * (m.rms_norm ? 1 : 2) * 4 * tokens * b * outside;
@@ -70,12 +91,12 @@ double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp
 
 double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
                                   const ActivationOptions& o) {
-  return layer_activation_bytes(m, b, tp, sp, r, o, 1);
+  return layer_activation_bytes(m, b, tp, sp, r, o, 1, CpCommType::kP2P);
 }
 
 double activation_bytes_per_layer(const ModelSpec& m, const Layout& l, const ActivationOptions& o) {
   cp_share(m, l.cp);  // fails unless the sequence splits into 2c chunks
-  return layer_activation_bytes(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o, l.cp);
+  return layer_activation_bytes(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o, l.cp, l.cp_comm);
 }
 
 namespace {

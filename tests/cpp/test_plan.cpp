@@ -51,6 +51,49 @@ TEST_CASE("Korthikanti Table 2: activation bytes per layer", "[plan]") {
   CHECK(activation_bytes_per_layer(m, 4, 8, true, Recompute::kSelective) == 4 * 34 * sbh / t);
 }
 
+TEST_CASE("Flash attention: a log-sum-exp per query instead of the scores", "[plan]") {
+  // GPT-3 175B's layer: against Korthikanti, no recompute drops the score term (2E + M)·A/t
+  // and adds the fp32 log-sum-exp 4·a·s·b/t; selective and full recompute are unchanged.
+  const ModelSpec m = preset("gpt3-175b");
+  const double s = 2048, b = 1, a = 96, A = a * s * s * b;
+  ActivationOptions flash;
+  flash.flash_attention = true;
+  for (int64_t tp : {1, 8})
+    for (bool sp : {false, true}) {
+      if (sp && tp == 1) continue;
+      INFO("t " << tp << " SP " << sp);
+      const double t = static_cast<double>(tp);
+      for (const double E : {2.0, 4.0})
+        for (const double M : {1.0, 4.0})
+          for (bool extras : {false, true}) {
+            ActivationOptions paper;
+            paper.activation_bytes = flash.activation_bytes = E;
+            paper.mask_bytes = flash.mask_bytes = M;
+            paper.megatorch_extras = flash.megatorch_extras = extras;
+            CHECK(activation_bytes_per_layer(m, 1, tp, sp, Recompute::kNone, paper) -
+                      activation_bytes_per_layer(m, 1, tp, sp, Recompute::kNone, flash) ==
+                  (2 * E + M) * A / t - 4 * a * s * b / t);
+            for (Recompute r : {Recompute::kSelective, Recompute::kFull})
+              CHECK(activation_bytes_per_layer(m, 1, tp, sp, r, flash) ==
+                    activation_bytes_per_layer(m, 1, tp, sp, r, paper));
+          }
+    }
+  // Selective recompute's saving is the log-sum-exp alone (docs/activation_memory.md).
+  flash = ActivationOptions{};
+  flash.flash_attention = true;
+  CHECK(activation_bytes_per_layer(m, 2, 8, true, Recompute::kNone, flash) -
+            activation_bytes_per_layer(m, 2, 8, true, Recompute::kSelective, flash) ==
+        4 * a * s * 2 / 8);
+  // The two attention kernels exclude each other.
+  ActivationOptions both = flash;
+  both.math_attention = true;
+  CHECK_THROWS_WITH(activation_bytes_per_layer(m, 1, 8, true, Recompute::kNone, both),
+                    Catch::Contains("got both flash_attention and math_attention") &&
+                        Catch::Contains("not both"));
+  Layout l{8, 1, 1, 1, 1, 1, Recompute::kFull, true};
+  CHECK_THROWS_WITH(activation_bytes_per_layer(m, l, both), Catch::Contains("--flash-attention"));
+}
+
 TEST_CASE("Activations in flight come from the schedule simulator", "[plan]") {
   ModelSpec m = preset("gpt3-175b");
   const double layer = activation_bytes_per_layer(m, 1, 8, true, Recompute::kSelective);
@@ -282,6 +325,46 @@ TEST_CASE("Context parallelism: a rank's activations are the cp = 1 bytes / c", 
   Layout last_four_layout{2, 1, 1, 1, 1, 1, Recompute::kFull, true};
   last_four_layout.cp = 4;
   CHECK(predict_memory(m, last_four_layout, 16).logits == last_one.logits / 4);
+}
+
+TEST_CASE("Context parallelism with flash attention: c = 1 / c, plus O and I without recompute", "[plan][cp]") {
+  ActivationOptions flash;
+  flash.flash_attention = true;
+  for (const char* name : {"gpt3-175b", "llama3-8b"}) {
+    const ModelSpec m = preset(name);
+    const double S = static_cast<double>(m.seq_length), h = static_cast<double>(m.hidden_size);
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+      for (bool sp : {false, true})
+        for (int64_t c : {2, 4}) {
+          INFO(name << " recompute " << transformer::to_string(r) << " SP " << sp << " c " << c);
+          const double one = activation_bytes_per_layer(m, cp_layout(8, 1, 1, r, sp), flash);
+          const double p2p = activation_bytes_per_layer(m, cp_layout(8, c, 1, r, sp), flash);
+          const double a2a = activation_bytes_per_layer(m, cp_layout(8, c, 1, r, sp, CpCommType::kA2A), flash);
+          // O: the attention output kept twice, E·(S/c)·b·h/t; I: two int64 [S] indices.
+          const double O = r == Recompute::kNone ? 2 * (S / c) * 1 * h / 8 : 0;
+          const double I = r == Recompute::kNone ? 16 * S : 0;
+          CHECK(p2p == one / c + O);
+          CHECK(a2a == one / c + O + I);
+        }
+  }
+  // docs/activation_memory.md's measured rows, (s, b, h, a) = (512, 1, 256, 8), t = 1, fp32
+  // with 4-byte hidden-dropout masks and the LayerNorm statistics, to the byte.
+  ModelSpec m;
+  m.num_layers = 1, m.hidden_size = 256, m.num_attention_heads = 8, m.seq_length = 512, m.vocab_size = 256;
+  ActivationOptions cpu = flash;
+  cpu.activation_bytes = cpu.mask_bytes = 4;
+  cpu.megatorch_extras = true;
+  const double KiB = 1024, MiB = 1024 * KiB;
+  CHECK(activation_bytes_per_layer(m, cp_layout(1, 1, 1, Recompute::kNone, false), cpu) == 9 * MiB + 24 * KiB);
+  CHECK(activation_bytes_per_layer(m, cp_layout(1, 1, 1, Recompute::kSelective, false), cpu) == 9 * MiB + 8 * KiB);
+  CHECK(activation_bytes_per_layer(m, cp_layout(1, 2, 1, Recompute::kNone, false), cpu) ==
+        (9 * MiB + 24 * KiB) / 2 + 256 * KiB);
+  CHECK(activation_bytes_per_layer(m, cp_layout(1, 2, 1, Recompute::kNone, false, CpCommType::kA2A), cpu) ==
+        (9 * MiB + 24 * KiB) / 2 + 256 * KiB + 8 * KiB);
+  CHECK(activation_bytes_per_layer(m, cp_layout(1, 4, 1, Recompute::kSelective, false, CpCommType::kA2A), cpu) ==
+        (9 * MiB + 8 * KiB) / 4);
+  CHECK(activation_bytes_per_layer(m, cp_layout(2, 2, 1, Recompute::kNone, true), cpu) ==
+        (9 * MiB + 24 * KiB) / 4 + 128 * KiB);
 }
 
 TEST_CASE("Context parallelism: the exchange per layer, p2p and a2a", "[plan][cp]") {

@@ -35,11 +35,21 @@ StateBytes zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Pre
 // dropout masks, nothing else. megatorch_extras adds what megatorch's layer keeps beyond the
 // paper's count (docs/activation_memory.md): LayerNorm's fp32 mean and 1/std (L).
 // math_attention adds SDPA's math path (CPU with attention dropout): Q and K held twice (Q).
+// flash_attention models the attention as megatorch's layer runs it without attention dropout
+// (ATen's flash SDPA; under context parallelism always: ring attention or Ulysses on the
+// flash kernel): no [b, a, s, s] scores. Without recompute the paper's (2E + M)·A/t score
+// term becomes the fp32 log-sum-exp, [b, a/t, s/c] (F: 4·a·(s/c)·b/t bytes); the output is
+// the output projection's input, counted already. At cp > 1, without recompute, the
+// attention output is kept twice (O: +E·(S/c)·b·h/t: the CP attention's [b, a/t, S/c, d] and
+// the projection's [S/c, b, h/t] copy) and a2a keeps two int64 token-order indices over the
+// whole sequence (I: +16·S bytes, not divided by c or t). Selective and full recompute replay
+// the attention: the c = 1 bytes / c exactly. Exclusive with math_attention.
 struct ActivationOptions {
   double activation_bytes = 2;
   double mask_bytes = 1;
   bool megatorch_extras = false;
   bool math_attention = false;
+  bool flash_attention = false;
 };
 
 // Bytes one TP rank keeps for backward for one transformer layer and one micro-batch of
@@ -53,6 +63,8 @@ double activation_bytes_per_layer(const ModelSpec& model, int64_t micro_batch, i
 // [b, a/t, S, S] scores is [b, a/t, S/c, S] (p2p: its queries against every key) or
 // [b, a/(t c), S, S] (a2a: its heads over the whole sequence). Kernels that keep no scores
 // (flash attention, megatorch's ring attention) keep less; the paper's count is the bound.
+// With options.flash_attention the count is megatorch's (the c = 1 flash count / c, plus
+// O and I without recompute; see ActivationOptions).
 double activation_bytes_per_layer(const ModelSpec& model, const Layout& layout, const ActivationOptions& options = {});
 
 struct MemoryBreakdown {

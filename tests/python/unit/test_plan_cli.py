@@ -157,23 +157,54 @@ def test_context_parallel_errors():
 
 # ---- activation memory: the planner's per-layer prediction vs the real layer (t = 1)
 
-def _measure(shape, setting):
+def _measure(shape, setting, attention_dropout=None):
+    """One real layer's saved bytes; hidden dropout 0.1, attention dropout 0.1 unless given."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import activation_memory as am  # noqa: E402  (needs megatorch.cpp)
-    return am.measure_layer(am.layer_config(am.Shape(*shape), setting, 0.1), shape[1]).bytes
+    config = am.layer_config(am.Shape(*shape), setting, 0.1, attention_dropout=attention_dropout)
+    return am.measure_layer(config, shape[1]).bytes
+
+
+def _planned_layer_bytes(shape, setting, *flags):
+    """megatorch-plan's activation bytes for one layer and one micro-batch in flight, fp32."""
+    s, b, h, a = shape
+    report = plan_json("--num-layers", "1", "--hidden-size", str(h), "--num-attention-heads", str(a),
+                       "--seq-length", str(s), "--vocab-size", "256", "--gpus-per-node", "1", "--nodes", "1",
+                       "--global-batch-size", str(b), "--micro-batch-size", str(b), "--precision", "fp32",
+                       "--recompute-granularity", setting, "--zero-stage", "0", *flags)
+    return report["top"][0]["memory"]["activation_bytes"]
 
 
 @pytest.mark.parametrize("shape", [(512, 1, 256, 8), (256, 2, 512, 8)])
 @pytest.mark.parametrize("setting", ["none", "selective", "full"])
 def test_activation_memory_matches_the_real_layer(shape, setting):
-    s, b, h, a = shape
     measured = _measure(shape, setting)
     # One layer, one micro-batch in flight: the activation bytes are one layer's. fp32 on CPU,
     # where dropout keeps a 4-byte mask and attention runs SDPA's math path.
-    report = plan_json("--num-layers", "1", "--hidden-size", str(h), "--num-attention-heads", str(a),
-                       "--seq-length", str(s), "--vocab-size", "256", "--gpus-per-node", "1", "--nodes", "1",
-                       "--global-batch-size", str(b), "--micro-batch-size", str(b), "--precision", "fp32",
-                       "--recompute-granularity", setting, "--zero-stage", "0", "--mask-bytes", "4",
-                       "--megatorch-activations", "--math-attention")
-    predicted = report["top"][0]["memory"]["activation_bytes"]
+    predicted = _planned_layer_bytes(shape, setting, "--mask-bytes", "4", "--megatorch-activations",
+                                     "--math-attention")
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("shape", [(512, 1, 256, 8), (256, 2, 512, 8)])
+@pytest.mark.parametrize("setting", ["none", "selective", "full"])
+def test_flash_attention_activation_memory_equals_the_real_layer(shape, setting):
+    """Attention dropout 0: the layer runs SDPA's flash kernel (no s x s scores, an fp32
+    log-sum-exp per query and head). --flash-attention counts exactly that: to the byte."""
+    measured = _measure(shape, setting, attention_dropout=0.0)
+    predicted = _planned_layer_bytes(shape, setting, "--mask-bytes", "4", "--megatorch-activations",
+                                     "--flash-attention")
+    assert predicted == measured
+    # Without recompute the paper's score term is what separates the two counts.
+    if setting == "none":
+        s, b, h, a = shape
+        paper = _planned_layer_bytes(shape, setting, "--mask-bytes", "4", "--megatorch-activations")
+        assert paper - predicted == (2 * 4 + 4) * a * s * s * b - 4 * a * s * b
+
+
+def test_flash_and_math_attention_are_refused_together():
+    out = run("--num-layers", "1", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+              "--gpus-per-node", "1", "--nodes", "1", "--global-batch-size", "1", "--math-attention",
+              "--flash-attention")
+    assert out.returncode != 0
+    assert "got both flash_attention and math_attention" in out.stderr and "not both" in out.stderr
