@@ -16,7 +16,9 @@ every step's loss, compared with c = 1's (fp32: they must agree to ~1e-5 relativ
 
 The memory budget (--budget-mib) is a per-rank peak RSS limit; the report says which
 runs stay under it, measured. megatorch-plan's prediction for the same model is shown
-next to it when the planner takes --context-parallel-size.
+next to it when the planner takes --context-parallel-size: with --flash-attention
+--mask-bytes 0 (no s×s scores and no dropout masks, as megatorch runs here), and
+Korthikanti's count as the bound. --plan-only reruns just the planner.
 
 The peers (scripts/bench/context_parallel_peer.py): gpt.py's GPT in PyTorch eager at one
 rank (no CP: loss, time and memory next to c = 1), and the same GPT under
@@ -235,15 +237,33 @@ class Bench:
                "--tensor-model-parallel-size", 1, "--pipeline-model-parallel-size", 1, "--data-parallel-size", 1,
                "--context-parallel-size", c, "--zero-stage", 0, "--recompute-granularity", "none",
                "--megatorch-activations", "--json"]
-        proc = subprocess.run(to_args(cmd), capture_output=True, text=True, timeout=120)
-        rec = {"c": c, "command": display(to_args(cmd))}
-        try:
-            mem = json.loads(proc.stdout)["top"][0]["memory"]
-            rec.update(total_bytes=mem["total_bytes"], activation_bytes=mem["activation_bytes"],
-                       state_bytes=mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_state_bytes"])
-        except (json.JSONDecodeError, KeyError, IndexError):
-            rec["error"] = last_error(proc.stdout + proc.stderr)
+        # --flash-attention: the attention as megatorch runs it here (flash SDPA at c = 1, ring
+        # attention under CP: no s×s scores), and --mask-bytes 0: the runs have no dropout, so
+        # no masks. Without them, Korthikanti's count (1-byte masks): the bound.
+        flash = cmd[:-1] + ["--flash-attention", "--mask-bytes", 0, "--json"]
+        rec = {"c": c, "command": display(to_args(flash))}
+        for key, args in (("", flash), ("korthikanti_", cmd)):
+            proc = subprocess.run(to_args(args), capture_output=True, text=True, timeout=120)
+            try:
+                mem = json.loads(proc.stdout)["top"][0]["memory"]
+                rec.update({key + "total_bytes": mem["total_bytes"], key + "activation_bytes": mem["activation_bytes"]})
+                rec["state_bytes"] = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_state_bytes"]
+            except (json.JSONDecodeError, KeyError, IndexError):
+                rec[key + "error"] = last_error(proc.stdout + proc.stderr)
         return rec
+
+    def plan_only(self):
+        """Reruns only the planner (seconds, no training) for this model and --sizes, and
+        stores its records in OUT/results.json, keeping an earlier run's measurements there
+        (and rewriting report.md from them)."""
+        path = self.out / "results.json"
+        if path.exists():
+            self.results = json.loads(path.read_text())
+        self.results["plan"] = [self.plan(c) for c in self.args.sizes]
+        self.save()
+        print(json.dumps(self.results["plan"], indent=1))
+        if self.results.get("runs"):
+            (self.out / "report.md").write_text(render(self.results))
 
     # ---- the fixed footprint ---------------------------------------------------------
 
@@ -354,20 +374,24 @@ def render(res: dict) -> str:
             lines.append(f"- {p['tag']}: `{p['error']}`" + (f" (raised in {p['raised_in']})" if p.get("raised_in") else ""))
     plans = res.get("plan", [])
     if any("total_bytes" in p for p in plans):
-        lines += ["", "megatorch-plan (`--recompute-granularity none`, fp32; Korthikanti's activation count, which "
-                  "includes the s×s attention scores) per rank, next to the measured peak RSS above the fixed "
-                  "footprint (what the planner models: state, activations, logits):", "",
+        lines += ["", "megatorch-plan (`--recompute-granularity none`, fp32, `--flash-attention --mask-bytes 0`: no "
+                  "s×s attention scores and no dropout masks, as megatorch runs here) per rank, next to the measured "
+                  "peak RSS above the fixed footprint (what the planner models: state, activations, logits); "
+                  "Korthikanti's count "
+                  "(without `--flash-attention`: the scores kept) is the bound:", "",
                   "| c | predicted | of it activations | of it parameters + gradients + AdamW | "
-                  f"predicted + footprint ≤ {budget} MiB | measured above footprint |", "|---|---|---|---|---|---|"]
+                  f"predicted + footprint ≤ {budget} MiB | measured above footprint | Korthikanti bound |",
+                  "|---|---|---|---|---|---|---|"]
         for p in plans:
+            bound = f"{p['korthikanti_total_bytes'] / MiB:.0f} MiB" if "korthikanti_total_bytes" in p else "–"
             if "total_bytes" not in p:
-                lines.append(f"| {p['c']} | {p.get('error', '')} | | | | |")
+                lines.append(f"| {p['c']} | {p.get('error', '')} | | | | | {bound} |")
                 continue
             meas = [(f"{r['comm']} " if r["c"] > 1 else "") + f"{max(r['peak_rss_bytes']) / MiB - fixed:.0f}"
-                    for r in runs if r["c"] == p["c"]]
+                    for r in runs if r["c"] == p["c"] and "peak_rss_bytes" in r]
             fits = "yes" if p["total_bytes"] / MiB + fixed <= budget else "no"
             lines.append(f"| {p['c']} | {p['total_bytes'] / MiB:.0f} MiB | {p['activation_bytes'] / MiB:.0f} MiB "
-                         f"| {p['state_bytes'] / MiB:.0f} MiB | {fits} | {', '.join(meas)} MiB |")
+                         f"| {p['state_bytes'] / MiB:.0f} MiB | {fits} | {', '.join(meas)} MiB | {bound} |")
     lines.append("")
     lines.append("Other processes' share of the machine during each run: "
                  + ", ".join(f"{r.get('tag') or 'megatorch c=%d %s' % (r['c'], r.get('comm', ''))} {r['other_load']:.0%}"
@@ -394,9 +418,14 @@ def main():
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--render", metavar="RESULTS_JSON", help="only print the report of an earlier run")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="only rerun megatorch-plan (seconds) and store its prediction in OUT/results.json")
     args = ap.parse_args()
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
+        return
+    if args.plan_only:
+        Bench(args).plan_only()
         return
     Bench(args).run()
 
