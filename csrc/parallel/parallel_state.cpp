@@ -15,8 +15,8 @@
 namespace megatorch::parallel {
 namespace {
 
-constexpr std::array<GroupKind, 4> kAllKinds{GroupKind::kWorld, GroupKind::kTensor, GroupKind::kData,
-                                             GroupKind::kPipeline};
+constexpr std::array<GroupKind, 6> kAllKinds{GroupKind::kWorld,    GroupKind::kTensor,  GroupKind::kData,
+                                             GroupKind::kPipeline, GroupKind::kContext, GroupKind::kDataContext};
 
 // Every rank builds its ParallelStates in the same order, so this count names the same
 // store namespace on every rank and a later state never reads an earlier one's keys.
@@ -63,7 +63,7 @@ ParallelState::ParallelState(ParallelStateOptions options)
       layout_([&] {
         const LaunchEnv env = LaunchEnv::from_environment();
         return RankLayout(env.world_size, options_.tensor_model_parallel_size(),
-                          options_.pipeline_model_parallel_size());
+                          options_.pipeline_model_parallel_size(), options_.context_parallel_size());
       }()),
       rank_(0),
       local_rank_(0) {
@@ -78,7 +78,8 @@ ParallelState::ParallelState(ParallelStateOptions options)
 ParallelState::ParallelState(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world_size,
                              ParallelStateOptions options)
     : options_(std::move(options)),
-      layout_(world_size, options_.tensor_model_parallel_size(), options_.pipeline_model_parallel_size()),
+      layout_(world_size, options_.tensor_model_parallel_size(), options_.pipeline_model_parallel_size(),
+              options_.context_parallel_size()),
       rank_(rank),
       local_rank_(rank),
       store_(std::move(store)) {
@@ -111,6 +112,13 @@ void ParallelState::build_groups() {
   for (GroupKind kind : kAllKinds) {
     const int k = static_cast<int>(kind);
     ranks_[k] = layout_.group_ranks(kind, rank_);
+    // DP x CP has the members of DP without context parallelism (or of CP with one DP
+    // replica): the same group under a second name, not a second connection.
+    if (kind == GroupKind::kDataContext && (layout_.cp_size() == 1 || layout_.dp_size() == 1)) {
+      groups_[k] = groups_[static_cast<int>(layout_.cp_size() == 1 ? GroupKind::kData : GroupKind::kContext)];
+      c10d::register_process_group(names_[k], groups_[k]);
+      continue;
+    }
     const int64_t index = layout_.group_index(kind, rank_);
     const int64_t group_rank = std::find(ranks_[k].begin(), ranks_[k].end(), rank_) - ranks_[k].begin();
     auto group_store = c10::make_intrusive<c10d::PrefixStore>(
@@ -145,8 +153,8 @@ const std::vector<int64_t>& ParallelState::group_ranks(GroupKind kind) const {
 std::string ParallelState::describe() const {
   std::ostringstream os;
   const RankCoord c = coord();
-  os << "rank " << rank_ << " (" << layout_.describe() << "; tp_rank " << c.tp << ", dp_rank " << c.dp
-     << ", pp_rank " << c.pp << ", device " << choice_.device << ", backend " << choice_.backend << ")";
+  os << "rank " << rank_ << " (" << layout_.describe() << "; tp_rank " << c.tp << ", cp_rank " << c.cp
+     << ", dp_rank " << c.dp << ", pp_rank " << c.pp << ", device " << choice_.device << ", backend " << choice_.backend << ")";
   for (GroupKind kind : kAllKinds) {
     os << "\n  " << group_kind_name(kind) << " group '" << group_name(kind) << "': [";
     const auto& r = group_ranks(kind);

@@ -12,21 +12,33 @@ const char* group_kind_name(GroupKind kind) {
     case GroupKind::kTensor: return "tp";
     case GroupKind::kData: return "dp";
     case GroupKind::kPipeline: return "pp";
+    case GroupKind::kContext: return "cp";
+    case GroupKind::kDataContext: return "dp_cp";
   }
   return "?";
 }
 
-RankLayout::RankLayout(int64_t world_size, int64_t tp, int64_t pp)
-    : world_(world_size), tp_(tp), pp_(pp), dp_(0) {
+RankLayout::RankLayout(int64_t world_size, int64_t tp, int64_t pp, int64_t cp)
+    : world_(world_size), tp_(tp), pp_(pp), cp_(cp), dp_(0) {
   MEGATORCH_CHECK(world_size >= 1, "expected a world size >= 1, got ", world_size,
                   "; launch with torchrun --nproc-per-node=N (N >= 1)");
   MEGATORCH_CHECK(tp >= 1, "expected --tensor-model-parallel-size >= 1, got ", tp);
   MEGATORCH_CHECK(pp >= 1, "expected --pipeline-model-parallel-size >= 1, got ", pp);
-  MEGATORCH_CHECK(world_size % (tp * pp) == 0, "expected the world size to be divisible by ",
-                  "tensor-model-parallel-size x pipeline-model-parallel-size = ", tp, " x ", pp,
-                  " = ", tp * pp, ", got world size ", world_size,
-                  "; choose tp and pp whose product divides the number of ranks");
-  dp_ = world_size / (tp * pp);
+  MEGATORCH_CHECK(cp >= 1, "expected --context-parallel-size >= 1, got ", cp);
+  // Divided rather than multiplied: the product of huge sizes overflows int64.
+  const bool fits = tp <= world_size && pp <= world_size / tp && cp <= world_size / (tp * pp);
+  if (cp == 1) {
+    MEGATORCH_CHECK(fits && world_size % (tp * pp) == 0, "expected the world size to be divisible by ",
+                    "tensor-model-parallel-size x pipeline-model-parallel-size = ", tp, " x ", pp,
+                    fits ? " = " + std::to_string(tp * pp) : std::string(" (more than the world)"),
+                    ", got world size ", world_size, "; choose tp and pp whose product divides the number of ranks");
+  } else {
+    MEGATORCH_CHECK(fits && world_size % (tp * cp * pp) == 0, "expected the world size to be divisible by ",
+                    "tensor-model-parallel-size x context-parallel-size x pipeline-model-parallel-size = ", tp, " x ",
+                    cp, " x ", pp, fits ? " = " + std::to_string(tp * cp * pp) : std::string(" (more than the world)"),
+                    ", got world size ", world_size, "; choose tp, cp and pp whose product divides the number of ranks");
+  }
+  dp_ = world_size / (tp * cp * pp);
 }
 
 int64_t RankLayout::size(GroupKind kind) const {
@@ -35,36 +47,49 @@ int64_t RankLayout::size(GroupKind kind) const {
     case GroupKind::kTensor: return tp_;
     case GroupKind::kData: return dp_;
     case GroupKind::kPipeline: return pp_;
+    case GroupKind::kContext: return cp_;
+    case GroupKind::kDataContext: return dp_ * cp_;
   }
   return 0;
 }
 
 RankCoord RankLayout::coord(int64_t rank) const {
   MEGATORCH_CHECK(rank >= 0 && rank < world_, "expected a rank in [0, ", world_, "), got ", rank);
-  return RankCoord{rank % tp_, (rank / tp_) % dp_, rank / (tp_ * dp_)};
+  RankCoord c;
+  c.tp = rank % tp_;
+  c.cp = (rank / tp_) % cp_;
+  c.dp = (rank / (tp_ * cp_)) % dp_;
+  c.pp = rank / (tp_ * cp_ * dp_);
+  return c;
 }
 
 int64_t RankLayout::rank_of(const RankCoord& c) const {
-  MEGATORCH_CHECK(c.tp >= 0 && c.tp < tp_ && c.dp >= 0 && c.dp < dp_ && c.pp >= 0 && c.pp < pp_,
-                  "expected a coordinate inside tp ", tp_, " x dp ", dp_, " x pp ", pp_, ", got (tp ",
-                  c.tp, ", dp ", c.dp, ", pp ", c.pp, ")");
-  return c.tp + tp_ * (c.dp + dp_ * c.pp);
+  MEGATORCH_CHECK(c.tp >= 0 && c.tp < tp_ && c.dp >= 0 && c.dp < dp_ && c.pp >= 0 && c.pp < pp_ && c.cp >= 0 &&
+                      c.cp < cp_,
+                  "expected a coordinate inside tp ", tp_, " x cp ", cp_, " x dp ", dp_, " x pp ", pp_, ", got (tp ",
+                  c.tp, ", cp ", c.cp, ", dp ", c.dp, ", pp ", c.pp, ")");
+  return c.tp + tp_ * (c.cp + cp_ * (c.dp + dp_ * c.pp));
 }
 
-// A group is the set of ranks that differ only in the coordinate of its kind. Its index
+// A group is the set of ranks that differ only in the coordinates of its kind. Its index
 // enumerates the remaining coordinates with the faster-varying one first, which gives
-// Megatron's order: tp groups by (dp, pp), dp groups by (tp, pp), pp groups by (tp, dp).
+// Megatron's order: tp groups by (cp, dp, pp), cp groups by (tp, dp, pp), dp groups by
+// (tp, cp, pp), dp x cp groups by (tp, pp), pp groups by (tp, cp, dp).
 int64_t RankLayout::group_index(GroupKind kind, int64_t rank) const {
   const RankCoord c = coord(rank);
   switch (kind) {
     case GroupKind::kWorld: return 0;
-    case GroupKind::kTensor: return c.dp + dp_ * c.pp;
-    case GroupKind::kData: return c.tp + tp_ * c.pp;
-    case GroupKind::kPipeline: return c.tp + tp_ * c.dp;
+    case GroupKind::kTensor: return c.cp + cp_ * (c.dp + dp_ * c.pp);
+    case GroupKind::kData: return c.tp + tp_ * (c.cp + cp_ * c.pp);
+    case GroupKind::kPipeline: return c.tp + tp_ * (c.cp + cp_ * c.dp);
+    case GroupKind::kContext: return c.tp + tp_ * (c.dp + dp_ * c.pp);
+    case GroupKind::kDataContext: return c.tp + tp_ * c.pp;
   }
   return 0;
 }
 
+// Members in ascending global rank: the varying coordinates with cp faster than dp, as
+// the rank order has them.
 std::vector<int64_t> RankLayout::group_ranks(GroupKind kind, int64_t rank) const {
   const RankCoord c = coord(rank);
   std::vector<int64_t> ranks;
@@ -76,6 +101,11 @@ std::vector<int64_t> RankLayout::group_ranks(GroupKind kind, int64_t rank) const
       case GroupKind::kTensor: m.tp = i; break;
       case GroupKind::kData: m.dp = i; break;
       case GroupKind::kPipeline: m.pp = i; break;
+      case GroupKind::kContext: m.cp = i; break;
+      case GroupKind::kDataContext:
+        m.cp = i % cp_;
+        m.dp = i / cp_;
+        break;
     }
     ranks.push_back(rank_of(m));
   }
@@ -94,7 +124,9 @@ std::vector<std::vector<int64_t>> RankLayout::groups(GroupKind kind) const {
 
 std::string RankLayout::describe() const {
   std::ostringstream os;
-  os << "world " << world_ << " = tp " << tp_ << " x dp " << dp_ << " x pp " << pp_;
+  os << "world " << world_ << " = tp " << tp_;
+  if (cp_ > 1) os << " x cp " << cp_;
+  os << " x dp " << dp_ << " x pp " << pp_;
   return os.str();
 }
 

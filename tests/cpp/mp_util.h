@@ -12,9 +12,10 @@ inline int64_t world_size() { return std::atoll(std::getenv("WORLD_SIZE") ? std:
 inline int64_t rank() { return std::atoll(std::getenv("RANK") ? std::getenv("RANK") : "0"); }
 
 // A ParallelState with a name of its own (each test case makes fresh groups).
-inline std::unique_ptr<megatorch::parallel::ParallelState> state(int64_t tp, int64_t pp, const std::string& name) {
+inline std::unique_ptr<megatorch::parallel::ParallelState> state(int64_t tp, int64_t pp, const std::string& name,
+                                                                 int64_t cp = 1) {
   return std::make_unique<megatorch::parallel::ParallelState>(
-      megatorch::parallel::ParallelStateOptions(tp, pp).name(name).device("cpu"));
+      megatorch::parallel::ParallelStateOptions(tp, pp).context_parallel_size(cp).name(name).device("cpu"));
 }
 
 }  // namespace mp

@@ -9,16 +9,19 @@ using megatorch::comm::Group;
 using megatorch::parallel::GroupKind;
 using megatorch::parallel::RankLayout;
 
-TEST_CASE("every group of every valid (tp, pp) reaches exactly its members", "[mp]") {
+TEST_CASE("every group of every valid (tp, cp, pp) reaches exactly its members", "[mp]") {
   const int64_t world = mp::world_size();
   for (int64_t tp = 1; tp <= world; ++tp) {
     for (int64_t pp = 1; tp * pp <= world; ++pp) {
-      if (world % (tp * pp)) continue;
-      auto st = mp::state(tp, pp, "ps_" + std::to_string(tp) + "_" + std::to_string(pp));
-      RankLayout layout(world, tp, pp);
+     for (int64_t cp = 1; tp * pp * cp <= world; ++cp) {
+      if (world % (tp * pp * cp)) continue;
+      auto st = mp::state(tp, pp, "ps_" + std::to_string(tp) + "_" + std::to_string(pp) + "_" + std::to_string(cp), cp);
+      RankLayout layout(world, tp, pp, cp);
       CHECK(st->rank() == mp::rank());
       CHECK(st->coord() == layout.coord(mp::rank()));
-      for (GroupKind kind : {GroupKind::kWorld, GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline}) {
+      CHECK(st->cp_size() == cp);
+      for (GroupKind kind : {GroupKind::kWorld, GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
+                             GroupKind::kContext, GroupKind::kDataContext}) {
         Group g(*st, kind);
         const auto members = layout.group_ranks(kind, mp::rank());
         REQUIRE(st->group_ranks(kind) == members);
@@ -31,6 +34,7 @@ TEST_CASE("every group of every valid (tp, pp) reaches exactly its members", "[m
         CHECK(x.item<double>() == expect);
         CHECK(members[g.rank()] == mp::rank());
       }
+     }
     }
   }
 }

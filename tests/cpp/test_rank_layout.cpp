@@ -1,6 +1,7 @@
 #include <catch2/catch.hpp>
 #include <megatorch/parallel/rank_layout.h>
 
+#include <algorithm>
 #include <set>
 
 using megatorch::parallel::GroupKind;
@@ -21,24 +22,55 @@ TEST_CASE("Megatron's rank order for world 16, tp 2, pp 4", "[layout]") {
   CHECK(layout.rank_of(RankCoord{1, 1, 2}) == 11);
 }
 
-// Every (world <= 1024, tp, pp) with tp * pp dividing world: each rank is in exactly one
-// group of each kind, groups have the kind's size, members differ only in the kind's
-// coordinate, and groups of different kinds meet in at most one rank (orthogonal).
-TEST_CASE("rank layout invariants for every valid world <= 1024", "[layout]") {
-  const GroupKind kinds[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline};
+// Megatron-core's groups for order tp-cp-dp-pp (parallel_state.RankGenerator), world 16.
+TEST_CASE("Megatron's rank order for world 16, tp 2, cp 2, pp 2", "[layout]") {
+  RankLayout layout(16, 2, 2, 2);
+  CHECK(layout.dp_size() == 2);
+  CHECK(layout.groups(GroupKind::kTensor) ==
+        Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}, {12, 13}, {14, 15}});
+  CHECK(layout.groups(GroupKind::kContext) ==
+        Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}});
+  CHECK(layout.groups(GroupKind::kData) ==
+        Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}});
+  CHECK(layout.groups(GroupKind::kDataContext) == Groups{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}});
+  CHECK(layout.groups(GroupKind::kPipeline) ==
+        Groups{{0, 8}, {1, 9}, {2, 10}, {3, 11}, {4, 12}, {5, 13}, {6, 14}, {7, 15}});
+  RankCoord c;
+  c.tp = 1;
+  c.cp = 1;
+  c.dp = 0;
+  c.pp = 1;
+  CHECK(layout.coord(11) == c);
+  CHECK(layout.rank_of(c) == 11);
+  CHECK(layout.describe() == "world 16 = tp 2 x cp 2 x dp 2 x pp 2");
+  // Without CP the DP x CP group is the DP group.
+  RankLayout no_cp(16, 2, 4);
+  CHECK(no_cp.groups(GroupKind::kDataContext) == no_cp.groups(GroupKind::kData));
+}
+
+// Every (world <= 512, tp, cp, pp) with tp * cp * pp dividing world: each rank is in
+// exactly one group of each kind, groups have the kind's size, members differ only in
+// the kind's coordinates, groups of different one-coordinate kinds meet in at most one
+// rank (orthogonal), and a DP x CP group is a union of whole DP and whole CP groups.
+TEST_CASE("rank layout invariants for every valid world <= 512", "[layout]") {
+  const GroupKind kinds[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline, GroupKind::kContext,
+                             GroupKind::kDataContext};
+  constexpr int kSingle = 4;  // the kinds that vary one coordinate
   int64_t layouts = 0;
   // Plain bools inside the loops (tens of millions of checks); one REQUIRE per layout
   // names the layout that broke.
-  for (int64_t world = 1; world <= 1024; ++world) {
+  for (int64_t world = 1; world <= 512; ++world) {
     for (int64_t tp = 1; tp <= world; ++tp) {
       if (world % tp) continue;
       for (int64_t pp = 1; pp <= world / tp; ++pp) {
         if ((world / tp) % pp) continue;
+       for (int64_t cp = 1; cp <= world / (tp * pp); ++cp) {
+        if ((world / (tp * pp)) % cp) continue;
         ++layouts;
-        RankLayout layout(world, tp, pp);
+        RankLayout layout(world, tp, pp, cp);
         bool ok = true;
-        std::vector<std::vector<int64_t>> index_of(3, std::vector<int64_t>(world, -1));
-        for (int k = 0; k < 3; ++k) {
+        std::vector<std::vector<int64_t>> index_of(5, std::vector<int64_t>(world, -1));
+        for (int k = 0; k < 5; ++k) {
           const auto groups = layout.groups(kinds[k]);
           ok &= static_cast<int64_t>(groups.size()) * layout.size(kinds[k]) == world;
           for (size_t g = 0; g < groups.size(); ++g) {
@@ -51,13 +83,21 @@ TEST_CASE("rank layout invariants for every valid world <= 1024", "[layout]") {
               const RankCoord c = layout.coord(r);
               ok &= layout.rank_of(c) == r;
               ok &= kinds[k] == GroupKind::kTensor || c.tp == first.tp;
-              ok &= kinds[k] == GroupKind::kData || c.dp == first.dp;
+              ok &= kinds[k] == GroupKind::kData || kinds[k] == GroupKind::kDataContext || c.dp == first.dp;
               ok &= kinds[k] == GroupKind::kPipeline || c.pp == first.pp;
+              ok &= kinds[k] == GroupKind::kContext || kinds[k] == GroupKind::kDataContext || c.cp == first.cp;
             }
           }
         }
-        for (int a = 0; a < 3; ++a) {
-          for (int b = a + 1; b < 3; ++b) {
+        for (int64_t r = 0; r < world; ++r) {
+          // The DP x CP group holds this rank's whole DP group and whole CP group.
+          const auto both = layout.group_ranks(GroupKind::kDataContext, r);
+          for (GroupKind part : {GroupKind::kData, GroupKind::kContext}) {
+            for (int64_t m : layout.group_ranks(part, r)) ok &= std::count(both.begin(), both.end(), m) == 1;
+          }
+        }
+        for (int a = 0; a < kSingle; ++a) {
+          for (int b = a + 1; b < kSingle; ++b) {
             std::set<std::pair<int64_t, int64_t>> seen;
             for (int64_t r = 0; r < world; ++r) {
               ok &= index_of[a][r] >= 0;
@@ -65,8 +105,9 @@ TEST_CASE("rank layout invariants for every valid world <= 1024", "[layout]") {
             }
           }
         }
-        INFO("world " << world << ", tp " << tp << ", pp " << pp);
+        INFO("world " << world << ", tp " << tp << ", cp " << cp << ", pp " << pp);
         REQUIRE(ok);
+       }
       }
     }
   }
@@ -80,4 +121,6 @@ TEST_CASE("bad layouts fail with what was expected and what was given", "[layout
   CHECK_THROWS_WITH(RankLayout(8, 1, -2), Catch::Contains("pipeline-model-parallel-size >= 1, got -2"));
   CHECK_THROWS_WITH(RankLayout(0, 1, 1), Catch::Contains("world size >= 1"));
   CHECK_THROWS_WITH(RankLayout(4, 2, 1).coord(4), Catch::Contains("rank in [0, 4)"));
+  CHECK_THROWS_WITH(RankLayout(8, 2, 1, 3), Catch::Contains("context-parallel-size") && Catch::Contains("2 x 3 x 1 = 6"));
+  CHECK_THROWS_WITH(RankLayout(8, 1, 1, 0), Catch::Contains("context-parallel-size >= 1, got 0"));
 }

@@ -1,8 +1,9 @@
 #pragma once
 // ParallelState: the world store, the world process group and its split into tensor-,
-// data- and pipeline-parallel groups in Megatron's rank order (rank_layout.h). Every
-// group is a c10d ProcessGroup registered by name ("<name>.tp", "<name>.dp",
-// "<name>.pp", "<name>.world"), so operators and Python code find it by that name.
+// context-, data- and pipeline-parallel groups in Megatron's rank order (rank_layout.h).
+// Every group is a c10d ProcessGroup registered by name ("<name>.tp", "<name>.cp",
+// "<name>.dp", "<name>.pp", "<name>.world", and "<name>.dp_cp": DP x CP, the gradient
+// reduction's group), so operators and Python code find it by that name.
 // No process-wide "current" state: hold the object, pass it (or group names) down.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -27,6 +28,8 @@ struct ParallelStateOptions {
         pipeline_model_parallel_size_(pipeline_model_parallel_size) {}
   TORCH_ARG(int64_t, tensor_model_parallel_size);
   TORCH_ARG(int64_t, pipeline_model_parallel_size);
+  // Ranks that split each sequence (context parallelism); world = tp x cp x dp x pp.
+  TORCH_ARG(int64_t, context_parallel_size) = 1;
   // Prefix of the registered group names; two live ParallelStates need different names.
   TORCH_ARG(std::string, name) = "megatorch";
   // "auto": CUDA (device = LOCAL_RANK) when a GPU is present, else CPU; "cpu", "cuda" or
@@ -59,9 +62,11 @@ class ParallelState {
   int64_t tp_rank() const { return coord().tp; }
   int64_t dp_rank() const { return coord().dp; }
   int64_t pp_rank() const { return coord().pp; }
+  int64_t cp_rank() const { return coord().cp; }
   int64_t tp_size() const { return layout_.tp_size(); }
   int64_t dp_size() const { return layout_.dp_size(); }
   int64_t pp_size() const { return layout_.pp_size(); }
+  int64_t cp_size() const { return layout_.cp_size(); }
 
   const std::string& group_name(GroupKind kind) const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group(GroupKind kind) const;
@@ -84,7 +89,7 @@ class ParallelState {
   int64_t local_rank_;
   DeviceChoice choice_;
   c10::intrusive_ptr<c10d::Store> store_;
-  static constexpr int kKinds = 4;
+  static constexpr int kKinds = 6;
   std::array<std::string, kKinds> names_;
   std::array<std::vector<int64_t>, kKinds> ranks_;
   std::array<c10::intrusive_ptr<c10d::ProcessGroup>, kKinds> groups_;
