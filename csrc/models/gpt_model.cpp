@@ -9,6 +9,7 @@
 #include "megatorch/inference/kv_cache.h"
 #include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/init.h"
+#include "megatorch/transformer/context_parallel.h"
 #include "megatorch/util/strings.h"
 
 namespace megatorch::models {
@@ -21,7 +22,8 @@ GPTModelImpl::GPTModelImpl(GPTModelOptions options_) : options(std::move(options
 void GPTModelImpl::reset() {
   const auto& c = options.config();
   tp = tp::tp_info(options.group());
-  c.validate(tp.size);
+  cp = tp::tp_info(c.context_parallel_group());
+  c.validate(tp.size, cp.size);
   const int64_t end = options.layer_end() < 0 ? c.num_layers() : options.layer_end();
   MEGATORCH_CHECK(options.layer_begin() >= 0 && options.layer_begin() <= end && end <= c.num_layers(),
                   "GPTModel: expected a layer range inside [0, ", c.num_layers(), "], got [", options.layer_begin(),
@@ -88,15 +90,29 @@ std::map<std::string, tp::ParameterLayout> GPTModelImpl::parameter_layouts() con
   return out;
 }
 
+at::Tensor GPTModelImpl::positions(int64_t tokens) {
+  if (!positions_.defined() || positions_.size(0) != tokens) {
+    const auto& c = options.config();
+    positions_ = transformer::context_parallel_positions(tokens * cp.size, cp.size, cp.rank, c.device());
+    cp_rope_freqs_ = at::Tensor();
+  }
+  return positions_;
+}
+
 at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
   const auto& c = options.config();
-  MEGATORCH_CHECK(ids.dim() == 2 && ids.size(1) <= c.max_positions(), "GPTModel: expected token ids [b, s] with s <= ",
-                  c.max_positions(), ", got ", ids.sizes());
+  MEGATORCH_CHECK(ids.dim() == 2 && ids.size(1) * cp.size <= c.max_positions(),
+                  "GPTModel: expected token ids [b, s] with s <= ", c.max_positions() / cp.size,
+                  cp.size > 1 ? " (this context-parallel rank's share)" : "", ", got ", ids.sizes());
   at::Tensor h = embedding->forward(ids.t());  // [s, b, h], or [s/tp, b, h] under SP
   if (position_embedding.defined()) {
     const int64_t s = h.size(0);
     const int64_t first = c.sequence_parallel() ? tp.rank * s : 0;  // this rank's tokens
-    h = h + position_embedding.narrow(0, first, s).unsqueeze(1);
+    if (cp.size == 1) {
+      h = h + position_embedding.narrow(0, first, s).unsqueeze(1);
+    } else {
+      h = h + position_embedding.index_select(0, positions(ids.size(1)).narrow(0, first, s)).unsqueeze(1);
+    }
   }
   return transformer::hidden_dropout(h, c, is_training(), options.rng().get());
 }
@@ -108,7 +124,18 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
   // RoPE angles for the positions present: attention sees the whole sequence (gathered under SP).
   at::Tensor freqs = rope_freqs_;
   const int64_t tokens = c.sequence_parallel() ? h.size(0) * tp.size : h.size(0);
-  if (freqs.defined() && tokens != freqs.size(0)) {
+  if (freqs.defined() && cp.size > 1) {
+    // This CP rank's positions are two chunks of the sequence: their angles.
+    const at::Tensor& pos = positions(tokens);
+    if (!cp_rope_freqs_.defined()) {
+      const int64_t s = tokens * cp.size;
+      const at::Tensor full = s == rope_freqs_.size(0)
+                                  ? rope_freqs_
+                                  : transformer::rope_frequencies(s, c.head_dim(), c.rotary_base(), c.device());
+      cp_rope_freqs_ = full.index_select(0, pos);
+    }
+    freqs = cp_rope_freqs_;
+  } else if (freqs.defined() && tokens != freqs.size(0)) {
     freqs = tokens < freqs.size(0) ? freqs.narrow(0, 0, tokens)
                                    : transformer::rope_frequencies(tokens, c.head_dim(), c.rotary_base(), c.device());
   }
@@ -134,6 +161,8 @@ at::Tensor GPTModelImpl::forward_cached(const at::Tensor& input, int64_t positio
   MEGATORCH_CHECK(!is_training() && !c.sequence_parallel(), "GPTModel::forward_cached: expected eval mode without "
                   "sequence parallelism, got training ", is_training(), ", sequence_parallel ", c.sequence_parallel(),
                   "; call eval() and build the model with sequence_parallel(false)");
+  MEGATORCH_CHECK(cp.size == 1, "GPTModel::forward_cached: expected no context parallelism, got a CP group of ",
+                  cp.size, " ranks; generate with a model built without context_parallel_group");
   MEGATORCH_CHECK(c.causal_attention(), "GPTModel::forward_cached: expected causal attention, got "
                   "causal_attention(false): cached keys and values assume no token sees later ones; run the whole "
                   "sequence through forward() instead");

@@ -8,6 +8,7 @@
 #include "megatorch/comm/group.h"
 #include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/tp_group.h"
+#include "megatorch/transformer/context_parallel.h"
 
 namespace megatorch::pipeline {
 
@@ -101,11 +102,22 @@ ActivationSpec PipelineStageImpl::activation_spec(int64_t) const {
 }
 
 at::Tensor PipelineStageImpl::forward_chunk(int64_t c, const at::Tensor& input, const MicroBatch& mb) {
-  return chunk(c)->forward(input.defined() ? input : mb.ids);
+  if (input.defined()) return chunk(c)->forward(input);
+  const auto& cp = chunk(c)->cp;
+  return chunk(c)->forward(transformer::context_parallel_slice(mb.ids, 1, cp.size, cp.rank));
 }
 
 at::Tensor PipelineStageImpl::micro_batch_loss(const at::Tensor& output, const MicroBatch& mb) {
-  return tp::masked_mean_loss(chunk(num_chunks() - 1)->per_token_loss(output, mb.labels), mb.labels);
+  const auto& last = chunk(num_chunks() - 1);
+  const auto& cp = last->cp;
+  if (cp.size == 1) return tp::masked_mean_loss(last->per_token_loss(output, mb.labels), mb.labels);
+  // This rank's tokens' share of the sequence's mean: its loss sum over every CP rank's
+  // token count (the micro-batch holds all labels). Times c: the optimizer averages
+  // gradients over DP x CP, and the CP ranks' shares must add up, not average.
+  const at::Tensor labels = transformer::context_parallel_slice(mb.labels, 1, cp.size, cp.rank);
+  const at::Tensor valid = (mb.labels != tp::kIgnoreIndex).sum().clamp_min(1);
+  const at::Tensor sum = last->per_token_loss(output, labels).sum();
+  return sum * (static_cast<double>(cp.size) / valid.to(sum.scalar_type()));
 }
 
 void PipelineStageImpl::set_unit_hooks(int64_t c, std::shared_ptr<models::UnitHooks> hooks, int64_t first_unit,
@@ -116,7 +128,8 @@ void PipelineStageImpl::set_unit_hooks(int64_t c, std::shared_ptr<models::UnitHo
 std::vector<int64_t> PipelineStageImpl::activation_shape(int64_t micro_batch_size) const {
   const auto& c = options.config();
   const int64_t tp = tp::tp_info(options.tp_group()).size;
-  return {c.sequence_parallel() ? c.seq_length() / tp : c.seq_length(), micro_batch_size, c.hidden_size()};
+  const int64_t s = c.seq_length() / chunk(0)->cp.size;  // this CP rank's tokens
+  return {c.sequence_parallel() ? s / tp : s, micro_batch_size, c.hidden_size()};
 }
 
 void PipelineStageImpl::allreduce_sequence_parallel_grads() {

@@ -6,6 +6,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/kernels/rotary.h"
+#include "megatorch/transformer/context_parallel.h"
 #include "megatorch/transformer/recompute.h"
 
 namespace megatorch::transformer {
@@ -34,7 +35,7 @@ ParallelAttentionImpl::ParallelAttentionImpl(ParallelAttentionOptions options_) 
 void ParallelAttentionImpl::reset() {
   const auto& c = options.config();
   const int64_t tp = tp::tp_info(options.group()).size;
-  c.validate(tp);
+  c.validate(tp, tp::tp_info(c.context_parallel_group()).size);
   local_heads = c.num_attention_heads() / tp;
   local_groups = c.query_groups() / tp;
   const int64_t d = c.head_dim();
@@ -61,7 +62,15 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
   const at::Tensor qb = q.permute({1, 2, 0, 3}), kb = k.permute({1, 2, 0, 3}), vb = v.permute({1, 2, 0, 3});
   const double p = is_training() ? c.attention_dropout() : 0.0;
   at::Tensor out;
-  {
+  if (!c.context_parallel_group().empty()) {
+    // The sequence is split over the CP group: attention crosses it (context_parallel.h).
+    // validate() refused attention dropout here.
+    out = context_parallel_attention(qb, kb, vb,
+                                     ContextParallelAttentionOptions(c.context_parallel_group())
+                                         .comm_type(c.cp_comm_type())
+                                         .causal(c.causal_attention())
+                                         .scale(1.0 / std::sqrt(static_cast<double>(c.head_dim()))));
+  } else {
     // Each TP rank holds other heads: its attention dropout draws from its own stream.
     c10::optional<tp::RngTracker::Fork> fork;
     if (p > 0 && options.rng()) fork.emplace(*options.rng(), tp::kModelParallelRng);

@@ -13,7 +13,7 @@ int64_t TransformerConfig::ffn() const {
   return 4 * hidden_size_;
 }
 
-void TransformerConfig::validate(int64_t tp) const {
+void TransformerConfig::validate(int64_t tp, int64_t cp) const {
   const int64_t heads = num_attention_heads_, groups = query_groups();
   MEGATORCH_CHECK(tp >= 1, "expected a tensor-parallel size >= 1 to validate against, got ", tp);
   MEGATORCH_CHECK(hidden_size_ >= 1 && heads >= 1 && num_layers_ >= 1 && seq_length_ >= 1 && vocab_size_ >= 1,
@@ -59,6 +59,29 @@ void TransformerConfig::validate(int64_t tp) const {
   MEGATORCH_CHECK(attention_dropout_ >= 0 && attention_dropout_ < 1 && hidden_dropout_ >= 0 && hidden_dropout_ < 1,
                   "expected dropout probabilities in [0, 1), got attention ", attention_dropout_, ", hidden ",
                   hidden_dropout_);
+  validate_context_parallel(tp, cp);
+}
+
+void TransformerConfig::validate_context_parallel(int64_t tp, int64_t cp) const {
+  MEGATORCH_CHECK(cp >= 1, "expected a context-parallel size >= 1 to validate against, got ", cp);
+  if (cp == 1) return;
+  MEGATORCH_CHECK(seq_length_ % (2 * cp) == 0, "expected seq_length (", seq_length_,
+                  ") to be divisible by 2 x the context-parallel size (2 x ", cp, " = ", 2 * cp,
+                  "): each CP rank holds two chunks of seq_length / 2c tokens; change --seq-length or "
+                  "--context-parallel-size");
+  MEGATORCH_CHECK(!sequence_parallel_ || (seq_length_ / cp) % tp == 0, "expected each CP rank's tokens (seq_length / cp = ",
+                  seq_length_ / cp, ") to be divisible by the tensor-parallel size (", tp,
+                  ") with sequence parallelism");
+  MEGATORCH_CHECK(attention_dropout_ == 0, "expected attention_dropout 0 with context parallelism (size ", cp,
+                  "), got ", attention_dropout_, ": the split attention draws no dropout mask; pass "
+                  "--attention-dropout 0 (hidden dropout is supported)");
+  if (cp_comm_type_ == CpCommType::kA2A) {
+    const int64_t heads = num_attention_heads_ / tp, groups = query_groups() / tp;
+    MEGATORCH_CHECK(heads % cp == 0 && groups % cp == 0, "Ulysses (--cp-comm-type a2a) splits the heads over the ",
+                    "context-parallel ranks: expected the attention heads (", heads, ") and key/value heads (", groups,
+                    ") per tensor-parallel rank to be divisible by --context-parallel-size ", cp,
+                    "; use --cp-comm-type p2p or a context-parallel size that divides both");
+  }
 }
 
 tp::ParamInitOptions param_init(const TransformerConfig& c, const std::string& name) {

@@ -36,7 +36,9 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
 
   // pre_process: token ids [b, s]; otherwise the previous stage's hidden states
   // [s, b, h] ([s/tp, b, h] under SP). Returns hidden states, or with post_process
-  // this rank's logits shard [s, b, Vp/tp].
+  // this rank's logits shard [s, b, Vp/tp]. With context parallelism (config's
+  // context_parallel_group) s is this CP rank's share of the sequence, in the order
+  // transformer::context_parallel_slice gives it (ids sliced so); positions follow.
   at::Tensor forward(const at::Tensor& input);
   // Inference with one KV cache per layer of this chunk (inference::make_kv_caches): the
   // input (ids [b, s], or the previous stage's hidden states [s, b, h]) holds the s tokens
@@ -78,9 +80,14 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
   transformer::Norm final_norm{nullptr};
   at::Tensor output_layer;  // [Vp/tp, h] when untied (or tied on a stage without the embedding)
   tp::TPInfo tp;
+  tp::TPInfo cp;  // the context-parallel group's rank and size (size 1 without CP)
 
  private:
   at::Tensor embed(const at::Tensor& ids);
+  // Global positions of this CP rank's `tokens` tokens (arange without CP).
+  at::Tensor positions(int64_t tokens);
+  at::Tensor positions_;  // positions()'s last table
+  at::Tensor cp_rope_freqs_;  // RoPE angles at positions_
   at::Tensor rope_freqs_;
   at::Tensor inference_rope_freqs_;  // forward_cached's table, grown to the longest sequence seen
   std::shared_ptr<UnitHooks> unit_hooks_;

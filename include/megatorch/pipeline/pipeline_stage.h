@@ -5,7 +5,9 @@
 // the final norm, the head and the loss. Layers split evenly, or by an explicit list of
 // per-virtual-stage counts. Micro-batches carry `ids` and `labels` [b, seq_length]; the
 // activation is [s, b, h] ([s/tp, b, h] under SP) in the parameters' dtype; the tied
-// embedding's two copies are one TiedParameters tie.
+// embedding's two copies are one TiedParameters tie. With context parallelism (the
+// config's context_parallel_group, c ranks) micro-batches still carry whole sequences:
+// each CP rank takes its chunks of ids and labels, so s is seq_length / c.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -65,6 +67,7 @@ class PipelineStageImpl : public torch::nn::Cloneable<PipelineStageImpl>, public
   torch::nn::Module& stage_module() override { return *this; }
   std::shared_ptr<torch::nn::Module> chunk_module(int64_t c) const override { return chunks->ptr(c); }
   std::shared_ptr<tp::RngTracker> rng_tracker() const override { return chunk(0)->options.rng(); }
+  int64_t context_parallel_size() const override { return chunk(0)->cp.size; }
 
   PipelineStageOptions options;
   torch::nn::ModuleList chunks{nullptr};

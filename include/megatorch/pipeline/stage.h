@@ -102,6 +102,11 @@ class Stage {
   // null when the model has none.
   virtual std::shared_ptr<tp::RngTracker> rng_tracker() const { return nullptr; }
 
+  // Ranks that split each micro-batch's sequence (context parallelism): the stage slices
+  // its micro-batches to this rank's share and returns a loss that, summed over them and
+  // averaged over DP x CP, is the whole sequence's. 1: the stage sees whole sequences.
+  virtual int64_t context_parallel_size() const { return 1; }
+
   bool is_first_virtual_stage(int64_t chunk) const { return chunk == 0 && pp_rank() == 0; }
   bool is_last_virtual_stage(int64_t chunk) const {
     return chunk == num_chunks() - 1 && pp_rank() == pp_size() - 1;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "megatorch/tp/init.h"
+#include "megatorch/transformer/context_parallel.h"
 
 namespace megatorch::transformer {
 
@@ -51,6 +52,12 @@ struct TransformerConfig {
   TORCH_ARG(bool, causal_attention) = true;
   // Split norm/dropout regions along the sequence across the TP group (Korthikanti).
   TORCH_ARG(bool, sequence_parallel) = false;
+  // Context parallelism (context_parallel.h): the CP group's registered name ("" for
+  // none) and how attention crosses it. Each rank then holds seq_length / cp tokens of
+  // every sequence (chunks r and 2c-1-r), positions and attention included. A layout,
+  // not a property of the weights: checkpoints do not record it.
+  TORCH_ARG(std::string, context_parallel_group) = "";
+  TORCH_ARG(CpCommType, cp_comm_type) = CpCommType::kP2P;
   TORCH_ARG(Recompute, recompute) = Recompute::kNone;
   TORCH_ARG(c10::ScalarType, params_dtype) = c10::kFloat;
   TORCH_ARG(c10::Device, device) = c10::kCPU;
@@ -70,8 +77,10 @@ struct TransformerConfig {
   int64_t ffn() const;
   int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
 
-  // Every constraint against a TP size, failing with what was expected and given.
-  void validate(int64_t tp_size) const;
+  // Every constraint against a TP (and CP) size, failing with what was expected and given.
+  void validate(int64_t tp_size, int64_t cp_size = 1) const;
+  // The constraints context parallelism adds (a no-op for cp 1).
+  void validate_context_parallel(int64_t tp_size, int64_t cp_size) const;
 };
 
 // How a parameter named `name` of this model is initialised (seed, std, dtype, device).

@@ -1,0 +1,158 @@
+// GPT with context parallelism: for every layout of 2 and 4 ranks with c > 1 (c alone,
+// with TP and SP, with PP, next to DP), MHA and GQA, learned positions and RoPE, both
+// comm types and every recompute granularity, the loss and every gradient equal the
+// whole model's on whole sequences (1e-5, fp32) — gradients summed over CP and averaged
+// as the optimizer's DP x CP reduction does.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include "gpt_test_util.h"
+#include "mp_util.h"
+
+using megatorch::comm::Group;
+using megatorch::models::GPTModel;
+using megatorch::models::GPTModelOptions;
+using megatorch::parallel::GroupKind;
+using megatorch::transformer::CpCommType;
+using megatorch::transformer::Recompute;
+namespace pipeline = megatorch::pipeline;
+
+namespace {
+
+struct CpLayout {
+  int64_t tp, pp, cp;
+  bool sp;
+};
+
+std::string describe(const CpLayout& l) {
+  return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " cp " + std::to_string(l.cp) +
+         (l.sp ? " +SP" : "");
+}
+
+// Micro-batches of whole sequences; the first has ignored labels in one chunk, so the CP
+// ranks hold different numbers of counted tokens.
+std::vector<pipeline::MicroBatch> micro_batches(const gpt_test::TransformerConfig& c, int64_t m) {
+  std::vector<pipeline::MicroBatch> mbs;
+  for (int64_t i = 0; i < m; ++i) {
+    auto d = gpt_test::batch_ids(2, c.seq_length(), c.vocab_size(), 300 + i);
+    at::Tensor labels = d.narrow(1, 1, c.seq_length()).clone();
+    if (i == 0) labels.narrow(1, 1, 3).fill_(megatorch::tp::kIgnoreIndex);
+    mbs.push_back({d.narrow(1, 0, c.seq_length()), labels});
+  }
+  return mbs;
+}
+
+}  // namespace
+
+TEST_CASE("GPT at context-parallel size c gives the whole sequence's loss and gradients", "[mp][context_parallel]") {
+  const int64_t world = mp::world_size();
+  std::vector<CpLayout> layouts{{1, 1, world, false}};
+  if (world == 4) {
+    layouts.push_back({1, 1, 2, false});  // two CP pairs side by side (DP 2)
+    layouts.push_back({2, 1, 2, false});  // heads split by TP first
+    layouts.push_back({2, 1, 2, true});   // SP inside each CP rank's share
+    layouts.push_back({1, 2, 2, false});  // CP inside each pipeline stage
+  }
+  int64_t cases = 0;
+  for (const auto& layout : layouts) {
+    auto st = mp::state(layout.tp, layout.pp, "cpgpt_" + std::to_string(cases), layout.cp);
+    Group tpg(*st, GroupKind::kTensor), cpg(*st, GroupKind::kContext);
+    REQUIRE(cpg.size() == layout.cp);
+    for (const auto& variant : gpt_test::variants()) {
+      if (variant.name == "mha-learned-gelu-untied") continue;  // positions and attention are what CP changes
+      for (CpCommType comm : {CpCommType::kP2P, CpCommType::kA2A}) {
+        const auto& base = variant.config;
+        const int64_t heads = base.num_attention_heads() / layout.tp, groups = base.query_groups() / layout.tp;
+        if (comm == CpCommType::kA2A && (heads % layout.cp || groups % layout.cp)) continue;
+        for (Recompute recompute : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+          // Recompute replays the split attention; once per layout is enough.
+          if (recompute != Recompute::kNone && (comm != CpCommType::kP2P || variant.name != "mha-learned-gelu-layernorm")) {
+            continue;
+          }
+          ++cases;
+          INFO(variant.name << " " << describe(layout) << " " << megatorch::transformer::to_string(comm) << " recompute "
+                            << megatorch::transformer::to_string(recompute));
+          // 16 tokens at c = 2 and 4; two chunks of 2 per rank (x t under SP) at any c.
+          const int64_t unit = 4 * layout.cp * layout.tp;
+          const int64_t seq = unit * std::max<int64_t>(1, 16 / unit);
+          const auto ref_config = gpt_test::TransformerConfig(base).seq_length(seq).num_layers(4);
+          const auto config = gpt_test::TransformerConfig(ref_config)
+                                  .sequence_parallel(layout.sp)
+                                  .recompute(recompute)
+                                  .context_parallel_group(cpg.name())
+                                  .cp_comm_type(comm);
+          const int64_t m = 2 * layout.pp;
+          const auto mbs = micro_batches(ref_config, m);
+          // Reference: the whole model on whole sequences, one rank.
+          GPTModel full{GPTModelOptions(ref_config)};
+          at::Tensor ref_loss = torch::zeros({});
+          for (const auto& mb : mbs) {
+            auto l = full->loss(mb.ids, mb.labels) / static_cast<double>(m);
+            l.backward();
+            ref_loss = ref_loss + l.detach();
+          }
+          pipeline::PipelineStage stage(
+              pipeline::PipelineStageOptions(config)
+                  .tp_group(tpg.name())
+                  .pp_group(layout.pp > 1 ? st->group_name(GroupKind::kPipeline) : ""));
+          REQUIRE(stage->context_parallel_size() == layout.cp);
+          REQUIRE(stage->activation_shape(2)[0] == seq / layout.cp / (layout.sp ? layout.tp : 1));
+          auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions());
+          stage->allreduce_tied_grads();
+          stage->allreduce_sequence_parallel_grads();
+          // What the optimizer does over DP x CP (here DP x CP = CP per replica): sum, then
+          // divide by its size; every CP rank's loss is c times its share.
+          const double c = static_cast<double>(layout.cp);
+          if (st->pp_rank() == layout.pp - 1) {
+            REQUIRE(result.loss.defined());
+            at::Tensor loss = result.loss.to(at::kDouble).reshape({1});
+            cpg.all_reduce(loss);
+            CHECK(loss.item<double>() / c == Approx(ref_loss.item<double>()).epsilon(1e-5));
+          }
+          auto full_params = full->named_parameters();
+          for (int64_t k = 0; k < stage->num_chunks(); ++k) {
+            auto chunk = stage->chunk(k);
+            for (const auto& p : chunk->named_parameters()) {
+              const std::string name =
+                  megatorch::ckpt::gpt_global_name(p.key(), chunk->options.layer_begin(), config.tie_embeddings());
+              REQUIRE(full_params.contains(name));
+              REQUIRE(p.value().grad().defined());
+              at::Tensor grad = p.value().grad().clone();
+              cpg.all_reduce(grad);
+              grad.div_(c);
+              const auto want =
+                  gpt_test::expected_shard(name, full_params[name].grad(), p.value(), tpg.rank(), tpg.size(), config);
+              const double diff = (grad - want).abs().max().template item<double>();
+              INFO(p.key() << " (" << name << ") max diff " << diff);
+              CHECK(torch::allclose(grad, want, 1e-5, 1e-6));
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(cases > 0);
+}
+
+TEST_CASE("context parallelism refuses what it cannot split, by name", "[mp][context_parallel]") {
+  const int64_t world = mp::world_size();
+  if (world < 2) return;  // c = 1 splits nothing
+  auto st = mp::state(1, 1, "cpgpt_bad", world);
+  const std::string cp = st->group_name(GroupKind::kContext);
+  const auto base = gpt_test::base_config().context_parallel_group(cp);
+  const int64_t seq = 4 * world;  // two chunks of 2 tokens per rank
+  // An odd length never splits into 2c chunks.
+  CHECK_THROWS_WITH(GPTModel(GPTModelOptions(gpt_test::TransformerConfig(base).seq_length(seq + 1))),
+                    Catch::Contains("divisible by 2 x the context-parallel size"));
+  CHECK_THROWS_WITH(GPTModel(GPTModelOptions(gpt_test::TransformerConfig(base).seq_length(seq).attention_dropout(0.1))),
+                    Catch::Contains("attention_dropout 0 with context parallelism"));
+  // Ulysses splits heads: one key/value head does not split over c >= 2.
+  CHECK_THROWS_WITH(
+      GPTModel(GPTModelOptions(gpt_test::TransformerConfig(base)
+                                   .seq_length(seq)
+                                   .num_attention_heads(4)
+                                   .num_query_groups(1)
+                                   .cp_comm_type(CpCommType::kA2A))),
+      Catch::Contains("--cp-comm-type a2a") && Catch::Contains("--context-parallel-size " + std::to_string(world)));
+}
