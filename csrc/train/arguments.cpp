@@ -32,6 +32,11 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   // Parallelism
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "TP size");
   app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "PP size");
+  app.add_option("--context-parallel-size", a.context_parallel_size,
+                 "CP size: ranks that split each sequence, attention included");
+  app.add_option("--cp-comm-type", a.cp_comm_type,
+                 "how attention crosses the CP ranks: p2p (ring attention, causal load balancing) or a2a (Ulysses)")
+      ->check(CLI::IsMember({"p2p", "a2a"}));
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
                  "layers per virtual stage (interleaved 1F1B)");
   app.add_flag("--sequence-parallel", a.sequence_parallel, "sequence parallelism (needs TP > 1)");
@@ -240,6 +245,7 @@ void check_unit_interval(const char* flag, double v) {
 void check_each_flag(const TrainArguments& a) {
   check_at_least("tensor-model-parallel-size", a.tensor_model_parallel_size, 1);
   check_at_least("pipeline-model-parallel-size", a.pipeline_model_parallel_size, 1);
+  check_at_least("context-parallel-size", a.context_parallel_size, 1);
   check_at_least("num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage, 0);
   check_at_least("num-layers", a.num_layers, 1);
   check_at_least("hidden-size", a.hidden_size, 1);
@@ -290,19 +296,27 @@ void check_each_flag(const TrainArguments& a) {
 
 void validate(TrainArguments& a, int64_t world) {
   check_each_flag(a);
-  const int64_t tp = a.tensor_model_parallel_size, pp = a.pipeline_model_parallel_size;
+  const int64_t tp = a.tensor_model_parallel_size, pp = a.pipeline_model_parallel_size, cp = a.context_parallel_size;
   // Divided rather than multiplied: tp x pp of two huge sizes overflows int64.
-  const bool fits = tp <= world && pp <= world / tp;
-  MEGATORCH_CHECK(fits && world % (tp * pp) == 0, "gpt_pretrain: expected tensor x pipeline parallel size (", tp, " x ", pp,
-                  fits ? " = " + std::to_string(tp * pp) : std::string(" > world size"), ") to divide the world size ",
-                  world, "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
+  const bool fits = tp <= world && pp <= world / tp && cp <= world / (tp * pp);
+  if (cp == 1) {
+    MEGATORCH_CHECK(fits && world % (tp * pp) == 0, "gpt_pretrain: expected tensor x pipeline parallel size (", tp, " x ",
+                    pp, fits ? " = " + std::to_string(tp * pp) : std::string(" > world size"),
+                    ") to divide the world size ", world,
+                    "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
+  } else {
+    MEGATORCH_CHECK(fits && world % (tp * cp * pp) == 0, "gpt_pretrain: expected tensor x context x pipeline parallel "
+                    "size (", tp, " x ", cp, " x ", pp, fits ? " = " + std::to_string(tp * cp * pp) : std::string(" > world size"),
+                    ") to divide the world size ", world, "; change --tensor-model-parallel-size / --context-parallel-size "
+                    "/ --pipeline-model-parallel-size or the number of processes");
+  }
   a.world_size = world;
   MEGATORCH_CHECK(a.rotary_percent == 1.0, "gpt_pretrain: --rotary-percent ", a.rotary_percent,
                   " is not supported: megatorch's RoPE rotates the whole head (1.0)");
   MEGATORCH_CHECK(!a.use_checkpoint_args || !a.load.empty(), "gpt_pretrain: --use-checkpoint-args needs --load DIR");
   MEGATORCH_CHECK(!a.finetune || !a.load.empty(), "gpt_pretrain: --finetune needs --load DIR (the weights to start from)");
   MEGATORCH_CHECK(a.vocab_size >= 1, "gpt_pretrain: expected --vocab-size >= 1, got ", a.vocab_size);
-  a.data_parallel_size = world / (tp * pp);
+  a.data_parallel_size = world / (tp * cp * pp);
   const int64_t dp = a.data_parallel_size;
   MEGATORCH_CHECK(!(a.bf16 && a.fp16), "gpt_pretrain: --bf16 and --fp16 contradict each other; pick one");
   MEGATORCH_CHECK(!a.sequence_parallel || tp > 1,
@@ -351,7 +365,7 @@ void validate(TrainArguments& a, int64_t world) {
                   "gpt_pretrain: expected 0 <= --lr-warmup-iters < --lr-decay-iters (or --train-iters), got ",
                   a.lr_warmup_iters, " and ", a.lr_decay_iters);
   // The model's own checks (heads, hidden, ffn, seq divisible by tp...) with the same clarity.
-  model_config(a).validate(tp);
+  model_config(a).validate(tp, cp);
 }
 
 transformer::TransformerConfig model_config(const TrainArguments& a) {
@@ -379,6 +393,7 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .hidden_dropout(a.hidden_dropout)
       .attention_dropout(a.attention_dropout)
       .sequence_parallel(a.sequence_parallel)
+      .cp_comm_type(parse_cp_comm_type(a.cp_comm_type))
       .recompute(parse_recompute(a.recompute_granularity.empty() ? "none" : a.recompute_granularity))
       .params_dtype(a.bf16 ? c10::kBFloat16 : a.fp16 ? c10::kHalf : c10::kFloat)
       .seed(a.seed);

@@ -66,6 +66,7 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
   MEGATORCH_CHECK(o.virtual_chunks() == 1 || o.schedule() == "interleaved", "TrainingLoop: virtual_chunks ",
                   o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
   auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())
+                    .context_parallel_size(o.context_parallel())
                     .name(o.name())
                     .device(o.device())
                     .backend(o.backend());
@@ -83,6 +84,12 @@ std::string TrainingLoop::pp_group() const {
   return state_->pp_size() > 1 ? state_->group_name(GroupKind::kPipeline) : "";
 }
 std::string TrainingLoop::dp_group() const { return state_->group_name(GroupKind::kData); }
+std::string TrainingLoop::cp_group() const {
+  return state_->cp_size() > 1 ? state_->group_name(GroupKind::kContext) : "";
+}
+std::string TrainingLoop::grad_group() const {
+  return state_->group_name(state_->cp_size() > 1 ? GroupKind::kDataContext : GroupKind::kData);
+}
 int64_t TrainingLoop::dp_rank() const { return state_->dp_rank(); }
 int64_t TrainingLoop::dp_size() const { return state_->dp_size(); }
 c10::Device TrainingLoop::device() const { return state_->device(); }
@@ -95,6 +102,10 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
                   "TrainingLoop::set_model: the loop runs pipeline size ", state_->pp_size(), " with ",
                   options_.virtual_chunks(), " chunks per rank, but the stage has ", stage->pp_size(), " and ",
                   stage->num_chunks(), "; build it on loop.pp_group() with virtual_chunks() chunks");
+  MEGATORCH_CHECK(stage->context_parallel_size() == state_->cp_size(), "TrainingLoop::set_model: the loop runs "
+                  "context-parallel size ", state_->cp_size(), " but the stage splits sequences over ",
+                  stage->context_parallel_size(), " ranks; build GPT's PipelineStage on a config whose "
+                  "context_parallel_group is loop.cp_group() (a ModuleStage sees whole sequences: context_parallel 1)");
   MEGATORCH_CHECK(stage->device() == state_->device(), "TrainingLoop::set_model: the stage runs on ", stage->device(),
                   " but the loop on ", state_->device(), "; build the chunks on loop.device() and pass it to the "
                   "stage (ModuleStageOptions::device)");
@@ -115,7 +126,7 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   std::vector<std::string> model_groups{tp_group()};
   if (state_->pp_size() > 1) model_groups.push_back(pp_group());
   optimizer_ = std::make_unique<optim::DistributedOptimizer>(
-      params_.units, dp_group(),
+      params_.units, grad_group(),
       optim::DistributedOptimizerOptions()
           .zero_stage(o.zero_stage())
           .lr(o.lr())
@@ -143,9 +154,10 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   num_parameters_ = static_cast<int64_t>(count.item<double>());
   if (!o.load().empty()) load_checkpoint();
   if (is_logging_rank() && o.print_summary()) {
-    std::printf("[megatorch] %s: world %ld = tp %ld x pp %ld (v %ld) x dp %ld, ZeRO-%ld, %ld parameters, global batch "
+    const std::string cp = state_->cp_size() > 1 ? " x cp " + std::to_string(state_->cp_size()) : "";
+    std::printf("[megatorch] %s: world %ld = tp %ld%s x pp %ld (v %ld) x dp %ld, ZeRO-%ld, %ld parameters, global batch "
                 "%ld = micro-batch %ld x %ld micro-batches x dp %ld\n",
-                o.name().c_str(), state_->world_size(), state_->tp_size(), state_->pp_size(), o.virtual_chunks(),
+                o.name().c_str(), state_->world_size(), state_->tp_size(), cp.c_str(), state_->pp_size(), o.virtual_chunks(),
                 state_->dp_size(), o.zero_stage(), num_parameters_, global_batch_size(), o.micro_batch_size(),
                 o.num_micro_batches(), state_->dp_size());
     std::fflush(stdout);
@@ -158,13 +170,16 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   }
 }
 
-// Mean of the last stage's loss over DP, made known on every rank.
+// Mean of the last stage's loss over DP, made known on every rank. Under CP each rank's
+// loss is c times its share of the sequence's (Stage::context_parallel_size), so the
+// mean over DP x CP is the DP mean of whole sequences.
 double TrainingLoop::reduce_loss(const at::Tensor& loss) {
   const bool last = state_->pp_rank() == state_->pp_size() - 1;
   at::Tensor l = at::tensor({last && loss.defined() ? loss.item<double>() : 0.0}, at::kDouble);
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(l);
-  comm::Group(dp_group()).all_reduce(l);
-  return l.item<double>() / static_cast<double>(state_->dp_size());
+  comm::Group grads(grad_group());
+  grads.all_reduce(l);
+  return l.item<double>() / static_cast<double>(grads.size());
 }
 
 std::vector<pipeline::MicroBatch> TrainingLoop::on_device(std::vector<pipeline::MicroBatch> mbs) const {
@@ -287,8 +302,9 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
       if (!memory.empty()) std::printf("\n[Rank %ld] (after %ld iterations) %s\n", state_->rank(), iteration_, memory.c_str());
       std::fflush(stdout);
     }
-    std::map<std::string, int64_t> comm_bytes;
-    for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kData, "dp"}, {GroupKind::kPipeline, "pp"}}) {
+    // "dp": the gradient reduction's group (DP × CP under context parallelism).
+    std::map<std::string, int64_t> comm_bytes{{"dp", comm::comm_stats(grad_group()).total().bytes}};
+    for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kPipeline, "pp"}, {GroupKind::kContext, "cp"}}) {
       comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
     }
     const bool eval_now = options_.eval_interval() > 0 && iteration_ % options_.eval_interval() == 0;
@@ -343,7 +359,8 @@ double TrainingLoop::evaluate(const BatchSource& source, int64_t iters) {
 // parameter's slice of it (a ZeRO range of its TP shard), so any layout loads any other.
 
 std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
-  const int64_t dp_rank = state_->dp_rank();
+  // Replicas of a parameter (and ZeRO's shards of its state) span DP × CP.
+  const int64_t dp_rank = comm::Group(grad_group()).rank();
   // write flags from the model entries say who writes among TP ranks and tied copies.
   auto model = ckpt::stage_entries(*stage_, /*writer=*/true);
   std::vector<ckpt::ShardedEntry> out;

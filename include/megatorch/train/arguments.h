@@ -22,6 +22,8 @@ struct TrainArguments {
   // Parallelism
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;
+  int64_t context_parallel_size = 1;  // ranks splitting each sequence (tp-cp-dp-pp order)
+  std::string cp_comm_type = "p2p";   // p2p (ring attention) | a2a (Ulysses)
   int64_t num_layers_per_virtual_pipeline_stage = 0;  // 0: no interleaving
   bool sequence_parallel = false;
   std::string schedule = "1f1b";  // 1f1b | gpipe | interleaved

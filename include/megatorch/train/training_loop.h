@@ -51,9 +51,13 @@ struct IterationStats {
 };
 
 struct TrainingLoopOptions {
-  // Layout: tp × pp × dp = the torchrun world. `name` prefixes the process groups.
+  // Layout: tp × cp × pp × dp = the torchrun world. `name` prefixes the process groups.
   TORCH_ARG(int64_t, tensor_parallel) = 1;
   TORCH_ARG(int64_t, pipeline_parallel) = 1;
+  // Context parallelism: ranks that split each sequence. The stage must split it too
+  // (GPT's PipelineStage on a config whose context_parallel_group is cp_group());
+  // gradients and ZeRO shards then span DP × CP.
+  TORCH_ARG(int64_t, context_parallel) = 1;
   TORCH_ARG(int64_t, virtual_chunks) = 1;
   TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved
   TORCH_ARG(int64_t, zero_stage) = 0;
@@ -125,6 +129,9 @@ class TrainingLoop {
   std::string tp_group() const;
   std::string pp_group() const;  // "" without pipeline parallelism
   std::string dp_group() const;
+  std::string cp_group() const;  // "" without context parallelism
+  // The group gradients are averaged over and ZeRO shards over: DP, or DP × CP.
+  std::string grad_group() const;
   int64_t dp_rank() const;
   int64_t dp_size() const;
   c10::Device device() const;
@@ -163,7 +170,7 @@ class TrainingLoop {
  private:
   std::vector<ckpt::ShardedEntry> checkpoint_entries();
   std::vector<pipeline::MicroBatch> on_device(std::vector<pipeline::MicroBatch> micro_batches) const;
-  // The last pipeline stage's loss averaged over DP, on every rank.
+  // The last pipeline stage's loss averaged over DP (summed over CP), on every rank.
   double reduce_loss(const at::Tensor& last_stage_loss);
   void log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes);
   void log_validation();

@@ -73,6 +73,8 @@ def test_same_losses_at_every_layout(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--tensor-model-parallel-size", "3"], "to divide the world size 4"),
+    (["--context-parallel-size", "3"], "context x pipeline parallel size (1 x 3 x 1 = 3) to divide the world size 4"),
+    (["--context-parallel-size", "4", "--seq-length", "36", "--lr-warmup-iters", "0"], "divisible by 2 x the context-parallel size"),
     (["--global-batch-size", "6"], "to be a multiple of --micro-batch-size x data-parallel size"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "2"], "expected at least one layer per pipeline stage"),
     (["--bf16", "--fp16"], "contradict"),
@@ -212,3 +214,60 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path):
         assert val[name] == pytest.approx(val["tp2pp2"], rel=1e-6, abs=1e-6), name
         for it in (5, 6):
             assert cont[name][it] == pytest.approx(cont["tp2pp2"][it], rel=1e-5), (name, it)
+
+
+def test_context_parallel_same_losses_and_resume_across_c(tmp_path):
+    """--context-parallel-size: ring attention at c = 2 and 4, Ulysses at c = 2, c = 2 with
+    TP2 + SP, with PP2 and next to DP2 with ZeRO-3 give the single rank's 10 losses (fp32,
+    1e-5), for learned positions and for RoPE + GQA. A checkpoint saved at c = 2 loads at
+    c = 1 and c = 4: the same validation loss, and two more steps give the saving layout's
+    losses."""
+    rope_gqa = ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2"]
+    cp2 = ["--context-parallel-size", "2"]
+    runs = {
+        "single": (1, []),
+        "cp4": (4, ["--context-parallel-size", "4"]),
+        "cp2dp2zero3": (4, [*cp2, "--zero-stage", "3"]),
+        "cp2tp2sp": (4, [*cp2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        "cp2pp2": (4, [*cp2, "--pipeline-model-parallel-size", "2"]),
+        "rope_single": (1, rope_gqa),
+        "rope_cp2": (2, [*rope_gqa, *cp2]),
+        "rope_cp2a2a": (2, [*rope_gqa, *cp2, "--cp-comm-type", "a2a"]),
+        "rope_cp4": (4, [*rope_gqa, "--context-parallel-size", "4"]),
+    }
+    got = {}
+    for name, (n, layout) in runs.items():
+        log = tmp_path / f"{name}.json"
+        out, _ = torchrun(n, [*MODEL, "--train-iters", "10", *layout, "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        got[name] = losses(log)
+        assert sorted(got[name]) == list(range(1, 11)), name
+        if "--context-parallel-size" in layout:
+            cp_bytes = [json.loads(line)["comm_bytes"]["cp"] for line in log.read_text().splitlines()]
+            assert all(b > 0 for b in cp_bytes), name  # attention crossed the CP ranks
+    for name in runs:
+        ref = got["rope_single" if name.startswith("rope") else "single"]
+        for it, loss in ref.items():
+            assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
+
+    ckpt = tmp_path / "ckpt"
+    out, _ = torchrun(4, [*MODEL, "--train-iters", "4", *cp2, "--tensor-model-parallel-size", "2", "--save", str(ckpt)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    layouts = {"cp2tp2": (4, [*cp2, "--tensor-model-parallel-size", "2"]), "cp1": (1, []),
+               "cp4": (4, ["--context-parallel-size", "4"])}
+    val, cont = {}, {}
+    for name, (n, layout) in layouts.items():
+        log = tmp_path / f"{name}_eval.json"
+        out, _ = torchrun(n, [*MODEL, "--train-iters", "4", *layout, "--load", str(ckpt), "--eval-only",
+                              "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        val[name] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
+        log = tmp_path / f"{name}_cont.json"
+        out, _ = torchrun(n, [*MODEL, "--train-iters", "6", *layout, "--load", str(ckpt), "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        assert "loaded checkpoint" in out.stdout
+        cont[name] = losses(log)
+    for name in layouts:
+        assert val[name] == pytest.approx(val["cp2tp2"], rel=1e-6, abs=1e-6), name
+        for it in (5, 6):
+            assert cont[name][it] == pytest.approx(cont["cp2tp2"][it], rel=1e-5), (name, it)
