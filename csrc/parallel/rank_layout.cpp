@@ -25,19 +25,16 @@ RankLayout::RankLayout(int64_t world_size, int64_t tp, int64_t pp, int64_t cp)
   MEGATORCH_CHECK(tp >= 1, "expected --tensor-model-parallel-size >= 1, got ", tp);
   MEGATORCH_CHECK(pp >= 1, "expected --pipeline-model-parallel-size >= 1, got ", pp);
   MEGATORCH_CHECK(cp >= 1, "expected --context-parallel-size >= 1, got ", cp);
-  // Divided rather than multiplied: the product of huge sizes overflows int64.
-  const bool fits = tp <= world_size && pp <= world_size / tp && cp <= world_size / (tp * pp);
-  if (cp == 1) {
-    MEGATORCH_CHECK(fits && world_size % (tp * pp) == 0, "expected the world size to be divisible by ",
-                    "tensor-model-parallel-size x pipeline-model-parallel-size = ", tp, " x ", pp,
-                    fits ? " = " + std::to_string(tp * pp) : std::string(" (more than the world)"),
-                    ", got world size ", world_size, "; choose tp and pp whose product divides the number of ranks");
-  } else {
-    MEGATORCH_CHECK(fits && world_size % (tp * cp * pp) == 0, "expected the world size to be divisible by ",
-                    "tensor-model-parallel-size x context-parallel-size x pipeline-model-parallel-size = ", tp, " x ",
-                    cp, " x ", pp, fits ? " = " + std::to_string(tp * cp * pp) : std::string(" (more than the world)"),
-                    ", got world size ", world_size, "; choose tp, cp and pp whose product divides the number of ranks");
-  }
+  int64_t product = 0;  // tp x cp x pp, unless it overflows int64
+  const bool fits = !__builtin_mul_overflow(tp, pp, &product) && !__builtin_mul_overflow(product, cp, &product);
+  // Without CP the message names only the sizes the user set.
+  const std::string kinds = cp == 1 ? "tensor-model-parallel-size x pipeline-model-parallel-size"
+                                    : "tensor-model-parallel-size x context-parallel-size x pipeline-model-parallel-size";
+  const std::string sizes = std::to_string(tp) + (cp == 1 ? "" : " x " + std::to_string(cp)) + " x " + std::to_string(pp);
+  MEGATORCH_CHECK(fits && world_size % product == 0, "expected the world size to be divisible by ", kinds, " = ",
+                  sizes, fits ? " = " + std::to_string(product) : std::string(" (more than int64 holds)"),
+                  ", got world size ", world_size, "; choose ", cp == 1 ? "tp and pp" : "tp, cp and pp",
+                  " whose product divides the number of ranks");
   dp_ = world_size / (tp * cp * pp);
 }
 

@@ -79,18 +79,6 @@ Precision parse_precision(const std::string& s) {
 
 int64_t activation_dtype_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 
-const char* to_string(CpCommType t) {
-  switch (t) {
-    case CpCommType::kP2P: return "p2p";
-    case CpCommType::kA2A: return "a2a";
-  }
-  return "?";
-}
-
-CpCommType parse_cp_comm_type(const std::string& s) {
-  return util::parse_enum(s, {CpCommType::kP2P, CpCommType::kA2A}, "--cp-comm-type");
-}
-
 CpShare cp_share(const ModelSpec& m, int64_t cp) {
   MEGATORCH_CHECK(cp >= 1 && (cp == 1 || m.seq_length % (2 * cp) == 0), "context parallelism: expected the sequence "
                   "length (", m.seq_length, ") divisible by 2 x CP (2 x ", cp, "), got a remainder of ",

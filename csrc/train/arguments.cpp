@@ -299,17 +299,13 @@ void validate(TrainArguments& a, int64_t world) {
   const int64_t tp = a.tensor_model_parallel_size, pp = a.pipeline_model_parallel_size, cp = a.context_parallel_size;
   // Divided rather than multiplied: tp x pp of two huge sizes overflows int64.
   const bool fits = tp <= world && pp <= world / tp && cp <= world / (tp * pp);
-  if (cp == 1) {
-    MEGATORCH_CHECK(fits && world % (tp * pp) == 0, "gpt_pretrain: expected tensor x pipeline parallel size (", tp, " x ",
-                    pp, fits ? " = " + std::to_string(tp * pp) : std::string(" > world size"),
-                    ") to divide the world size ", world,
-                    "; change --tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes");
-  } else {
-    MEGATORCH_CHECK(fits && world % (tp * cp * pp) == 0, "gpt_pretrain: expected tensor x context x pipeline parallel "
-                    "size (", tp, " x ", cp, " x ", pp, fits ? " = " + std::to_string(tp * cp * pp) : std::string(" > world size"),
-                    ") to divide the world size ", world, "; change --tensor-model-parallel-size / --context-parallel-size "
-                    "/ --pipeline-model-parallel-size or the number of processes");
-  }
+  // Without CP the message names only the sizes the user set.
+  const std::string kinds = cp == 1 ? "tensor x pipeline" : "tensor x context x pipeline";
+  const std::string sizes = std::to_string(tp) + (cp == 1 ? "" : " x " + std::to_string(cp)) + " x " + std::to_string(pp);
+  MEGATORCH_CHECK(fits && world % (tp * cp * pp) == 0, "gpt_pretrain: expected ", kinds, " parallel size (", sizes,
+                  fits ? " = " + std::to_string(tp * cp * pp) : std::string(" > world size"), ") to divide the world size ",
+                  world, "; change --tensor-model-parallel-size", cp == 1 ? "" : " / --context-parallel-size",
+                  " / --pipeline-model-parallel-size or the number of processes");
   a.world_size = world;
   MEGATORCH_CHECK(a.rotary_percent == 1.0, "gpt_pretrain: --rotary-percent ", a.rotary_percent,
                   " is not supported: megatorch's RoPE rotates the whole head (1.0)");

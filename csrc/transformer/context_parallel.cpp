@@ -11,6 +11,7 @@
 #include "context_parallel_internal.h"
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/util/enum_names.h"
 
 namespace megatorch::transformer {
 namespace {
@@ -40,10 +41,8 @@ const char* to_string(CpCommType t) {
 }
 
 CpCommType parse_cp_comm_type(const std::string& s) {
-  if (s == "p2p") return CpCommType::kP2P;
-  if (s == "a2a") return CpCommType::kA2A;
-  MEGATORCH_FAIL("expected a context-parallel comm type 'p2p' (ring attention) or 'a2a' (Ulysses all-to-all), "
-                 "got '", s, "'; pass --cp-comm-type p2p or --cp-comm-type a2a");
+  // p2p: ring attention; a2a: Ulysses all-to-all.
+  return util::parse_enum(s, {CpCommType::kP2P, CpCommType::kA2A}, "--cp-comm-type");
 }
 
 at::Tensor context_parallel_positions(int64_t seq_length, int64_t cp_size, int64_t cp_rank, c10::Device device) {

@@ -55,10 +55,11 @@ int64_t activation_dtype_bytes(Precision p);      // 2, or 4 for fp32
 // How the ranks of a context-parallel group exchange what attention needs across the
 // sequence split: p2p is ring attention (K and V travel the ring, overlapped with the
 // attention steps), a2a is DeepSpeed-Ulysses (all-to-alls swap sequence shards for head
-// shards around attention, not overlapped). Same names as --cp-comm-type.
-enum class CpCommType { kP2P, kA2A };
-const char* to_string(CpCommType t);                  // "p2p" | "a2a"
-CpCommType parse_cp_comm_type(const std::string& s);  // the inverse, failing with the valid names
+// shards around attention, not overlapped). The attention's own type and names
+// (transformer/context_parallel.h), as --cp-comm-type spells them.
+using transformer::CpCommType;
+using transformer::parse_cp_comm_type;
+using transformer::to_string;
 
 // One parallel layout of a training run on tp * cp * pp * dp GPUs (Megatron's rank order
 // tp-cp-dp-pp). Context parallelism splits each sequence over cp ranks; parameters are

@@ -183,20 +183,10 @@ def test_killed_rank_resumes_bit_for_bit(tmp_path):
         assert r["loss"] == ref[r["iteration"]], r["iteration"]
 
 
-def test_checkpoint_reshards_to_other_layouts(tmp_path):
-    """Saved at TP2 x PP2 (4 ranks, ZeRO-1 optimizer state), loaded at TP1 x PP1, TP4 and
-    DP2 x ZeRO-3: the same validation loss (1e-6), and two more training steps give the
-    losses the saving layout gives — the optimizer state was resharded too."""
-    ckpt = tmp_path / "ckpt"
-    saving = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
-    out, _ = torchrun(4, [*MODEL, "--train-iters", "4", *saving, "--save", str(ckpt)])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    layouts = {
-        "tp2pp2": (4, saving),
-        "tp1": (1, []),
-        "tp4": (4, ["--tensor-model-parallel-size", "4"]),
-        "dp2zero3": (2, ["--zero-stage", "3"]),
-    }
+def check_reload_matches(tmp_path, ckpt, layouts, saving):
+    """Loads the 4-iteration checkpoint `ckpt` at each of `layouts` ({name: (ranks, flags)}):
+    evaluated, the validation loss of the layout named `saving` (1e-6); trained two more
+    steps, its losses (1e-5)."""
     val, cont = {}, {}
     for name, (n, layout) in layouts.items():
         log = tmp_path / f"{name}_eval.json"
@@ -211,9 +201,26 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path):
         cont[name] = losses(log)
         assert sorted(cont[name]) == [5, 6]
     for name in layouts:
-        assert val[name] == pytest.approx(val["tp2pp2"], rel=1e-6, abs=1e-6), name
+        assert val[name] == pytest.approx(val[saving], rel=1e-6, abs=1e-6), name
         for it in (5, 6):
-            assert cont[name][it] == pytest.approx(cont["tp2pp2"][it], rel=1e-5), (name, it)
+            assert cont[name][it] == pytest.approx(cont[saving][it], rel=1e-5), (name, it)
+
+
+def test_checkpoint_reshards_to_other_layouts(tmp_path):
+    """Saved at TP2 x PP2 (4 ranks, ZeRO-1 optimizer state), loaded at TP1 x PP1, TP4 and
+    DP2 x ZeRO-3: the same validation loss (1e-6), and two more training steps give the
+    losses the saving layout gives — the optimizer state was resharded too."""
+    ckpt = tmp_path / "ckpt"
+    saving = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+    out, _ = torchrun(4, [*MODEL, "--train-iters", "4", *saving, "--save", str(ckpt)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    layouts = {
+        "tp2pp2": (4, saving),
+        "tp1": (1, []),
+        "tp4": (4, ["--tensor-model-parallel-size", "4"]),
+        "dp2zero3": (2, ["--zero-stage", "3"]),
+    }
+    check_reload_matches(tmp_path, ckpt, layouts, "tp2pp2")
 
 
 def test_context_parallel_same_losses_and_resume_across_c(tmp_path):
@@ -255,19 +262,4 @@ def test_context_parallel_same_losses_and_resume_across_c(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     layouts = {"cp2tp2": (4, [*cp2, "--tensor-model-parallel-size", "2"]), "cp1": (1, []),
                "cp4": (4, ["--context-parallel-size", "4"])}
-    val, cont = {}, {}
-    for name, (n, layout) in layouts.items():
-        log = tmp_path / f"{name}_eval.json"
-        out, _ = torchrun(n, [*MODEL, "--train-iters", "4", *layout, "--load", str(ckpt), "--eval-only",
-                              "--log-json", str(log)])
-        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
-        val[name] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
-        log = tmp_path / f"{name}_cont.json"
-        out, _ = torchrun(n, [*MODEL, "--train-iters", "6", *layout, "--load", str(ckpt), "--log-json", str(log)])
-        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
-        assert "loaded checkpoint" in out.stdout
-        cont[name] = losses(log)
-    for name in layouts:
-        assert val[name] == pytest.approx(val["cp2tp2"], rel=1e-6, abs=1e-6), name
-        for it in (5, 6):
-            assert cont[name][it] == pytest.approx(cont["cp2tp2"][it], rel=1e-5), (name, it)
+    check_reload_matches(tmp_path, ckpt, layouts, "cp2tp2")
