@@ -30,7 +30,9 @@ measurement must equal it exactly (the last column of the table).
 """
 import argparse
 import datetime
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import List
@@ -258,6 +260,24 @@ def megatorch_cp_bytes(setting, shape, t, c, act_bytes, mask_bytes, comm="p2p", 
     cp_differences."""
     return megatorch_bytes(setting, cp_shape(shape, c), t, act_bytes, mask_bytes, "flash", hidden_masks) + sum(
         cp_differences(setting, shape, t, c, act_bytes, comm).values())
+
+
+def planned_layer_bytes(plan, shape: Shape, setting: str, *flags, c: int = 1, comm: str = "p2p") -> float:
+    """megatorch-plan's (`plan`, the binary's path) activation bytes for one layer of `shape` and
+    one micro-batch in flight, fp32, t = 1, at CP c; `flags` describe how activations are kept
+    (--mask-bytes, --megatorch-activations, --math-attention, --flash-attention)."""
+    if not os.path.exists(plan):
+        raise FileNotFoundError(f"{plan} is not built: run scripts/build.sh")
+    out = subprocess.run([str(plan), "--num-layers", "1", "--hidden-size", str(shape.h), "--num-attention-heads",
+                          str(shape.a), "--seq-length", str(shape.s), "--vocab-size", "256", "--gpus-per-node", str(c),
+                          "--nodes", "1", "--global-batch-size", str(shape.b), "--micro-batch-size", str(shape.b),
+                          "--precision", "fp32", "--tensor-model-parallel-size", "1",
+                          "--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
+                          "--context-parallel-size", str(c), "--cp-comm-type", comm, "--recompute-granularity", setting,
+                          "--zero-stage", "0", *flags, "--json"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"megatorch-plan failed: {out.stderr}")
+    return json.loads(out.stdout)["top"][0]["memory"]["activation_bytes"]
 
 
 def fused_hidden_mask_saving(setting: str, shape: Shape, t: int, mask_bytes: int, dropout: float) -> int:

@@ -1,6 +1,7 @@
 #pragma once
-// Shared by the GPT tests: small configurations, a batch, and how a TP shard of each
-// parameter relates to the TP=1 tensor.
+// Shared by the GPT tests: small configurations, a batch, how a TP shard of each
+// parameter relates to the TP=1 tensor, and a stage's gradients against the one-rank model's.
+#include <catch2/catch.hpp>
 #include <megatorch/megatorch.h>
 #include <torch/torch.h>
 
@@ -76,6 +77,24 @@ inline torch::Tensor expected_shard(const std::string& name, const torch::Tensor
   }
   megatorch::tp::ShardSpec spec{full.sizes().vec(), dim, rank, world, parts};
   return megatorch::tp::slice_for_rank(full, spec);
+}
+
+// For every parameter of the stage's chunks: check(local name, global name, the parameter,
+// the part of the one-rank model `full`'s gradient it should hold). Both have gradients.
+template <typename Check>
+void for_each_stage_gradient(megatorch::pipeline::PipelineStage& stage, megatorch::models::GPTModel& full,
+                             const TransformerConfig& c, int64_t tp_rank, int64_t tp_size, Check&& check) {
+  auto full_params = full->named_parameters();
+  for (int64_t k = 0; k < stage->num_chunks(); ++k) {
+    auto chunk = stage->chunk(k);
+    for (const auto& p : chunk->named_parameters()) {
+      const std::string name =
+          megatorch::ckpt::gpt_global_name(p.key(), chunk->options.layer_begin(), c.tie_embeddings());
+      REQUIRE(full_params.contains(name));
+      REQUIRE(p.value().grad().defined());
+      check(p.key(), name, p.value(), expected_shard(name, full_params[name].grad(), p.value(), tp_rank, tp_size, c));
+    }
+  }
 }
 
 }  // namespace gpt_test

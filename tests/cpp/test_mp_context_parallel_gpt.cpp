@@ -110,24 +110,16 @@ TEST_CASE("GPT at context-parallel size c gives the whole sequence's loss and gr
             cpg.all_reduce(loss);
             CHECK(loss.item<double>() / c == Approx(ref_loss.item<double>()).epsilon(1e-5));
           }
-          auto full_params = full->named_parameters();
-          for (int64_t k = 0; k < stage->num_chunks(); ++k) {
-            auto chunk = stage->chunk(k);
-            for (const auto& p : chunk->named_parameters()) {
-              const std::string name =
-                  megatorch::ckpt::gpt_global_name(p.key(), chunk->options.layer_begin(), config.tie_embeddings());
-              REQUIRE(full_params.contains(name));
-              REQUIRE(p.value().grad().defined());
-              at::Tensor grad = p.value().grad().clone();
-              cpg.all_reduce(grad);
-              grad.div_(c);
-              const auto want =
-                  gpt_test::expected_shard(name, full_params[name].grad(), p.value(), tpg.rank(), tpg.size(), config);
-              const double diff = (grad - want).abs().max().template item<double>();
-              INFO(p.key() << " (" << name << ") max diff " << diff);
-              CHECK(torch::allclose(grad, want, 1e-5, 1e-6));
-            }
-          }
+          gpt_test::for_each_stage_gradient(
+              stage, full, config, tpg.rank(), tpg.size(),
+              [&](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
+                at::Tensor grad = p.grad().clone();
+                cpg.all_reduce(grad);
+                grad.div_(c);
+                const double diff = (grad - want).abs().max().item<double>();
+                INFO(key << " (" << name << ") max diff " << diff);
+                CHECK(torch::allclose(grad, want, 1e-5, 1e-6));
+              });
         }
       }
     }

@@ -70,21 +70,12 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         } else {
           CHECK_FALSE(result.loss.defined());
         }
-        auto full_params = full->named_parameters();
-        for (int64_t c = 0; c < stage->num_chunks(); ++c) {
-          auto chunk = stage->chunk(c);
-          for (const auto& p : chunk->named_parameters()) {
-            // The single-stage model's name of the chunk's parameter.
-            const std::string name =
-                megatorch::ckpt::gpt_global_name(p.key(), chunk->options.layer_begin(), config.tie_embeddings());
-            REQUIRE(full_params.contains(name));
-            REQUIRE(p.value().grad().defined());
-            const auto want = gpt_test::expected_shard(name, full_params[name].grad(), p.value(), tpg.rank(),
-                                                       tpg.size(), config);
-            INFO(p.key() << " (" << name << ") max diff " << (p.value().grad() - want).abs().max().item<double>());
-            CHECK(torch::allclose(p.value().grad(), want, 1e-5, 1e-6));
-          }
-        }
+        gpt_test::for_each_stage_gradient(
+            stage, full, config, tpg.rank(), tpg.size(),
+            [](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
+              INFO(key << " (" << name << ") max diff " << (p.grad() - want).abs().max().item<double>());
+              CHECK(torch::allclose(p.grad(), want, 1e-5, 1e-6));
+            });
         // Peak stashed activations: exactly the simulated schedule's peak in flight.
         const auto sim = pipeline::simulate_schedule(kind, ppn, m, v);
         CHECK(result.peak_stashed == sim.ranks[ppg.rank()].peak_inflight);

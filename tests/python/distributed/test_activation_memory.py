@@ -6,9 +6,7 @@ backward after one layer's forward, one count per storage, parameters left out; 
 t = the world size (2 or 4 ranks), with the layer's TP group = every rank; u = s·b·h.
 """
 import importlib.util
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -207,23 +205,6 @@ def test_ulysses_keeps_head_shards_of_the_whole_sequence_and_two_indices():
 PLAN = Path(os.environ.get("MEGATORCH_BIN_DIR", SCRIPT.parents[1] / "build" / "bin")) / "megatorch-plan"
 
 
-def planned_cp_bytes(recompute, c, comm):
-    """megatorch-plan's activation bytes for one layer of SHAPE and one micro-batch at CP c (t = 1,
-    fp32, 4-byte hidden-dropout masks, megatorch's extras, flash attention)."""
-    s, b, h, a = SHAPE.s, SHAPE.b, SHAPE.h, SHAPE.a
-    out = subprocess.run([str(PLAN), "--num-layers", "1", "--hidden-size", str(h), "--num-attention-heads", str(a),
-                          "--seq-length", str(s), "--vocab-size", "256", "--gpus-per-node", str(c), "--nodes", "1",
-                          "--global-batch-size", str(b), "--micro-batch-size", str(b), "--precision", "fp32",
-                          "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                          "--data-parallel-size", "1", "--context-parallel-size", str(c), "--cp-comm-type", comm,
-                          "--recompute-granularity", recompute, "--zero-stage", "0", "--mask-bytes", "4",
-                          "--megatorch-activations", "--flash-attention", "--json"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["top"][0]["memory"]["activation_bytes"]
-
-
-@pytest.mark.skipif(not PLAN.exists(), reason="build megatorch-plan first")
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_planner_flash_attention_equals_the_context_parallel_layer(comm):
     """--flash-attention at c: the c = 1 flash count / c, plus O (and I for a2a) without
@@ -231,4 +212,6 @@ def test_planner_flash_attention_equals_the_context_parallel_layer(comm):
     c, _ = world()
     for recompute in ["none", "selective", "full"]:
         measured = measure_cp(recompute, c, comm).bytes
-        assert planned_cp_bytes(recompute, c, comm) == measured, recompute
+        planned = am.planned_layer_bytes(PLAN, SHAPE, recompute, "--mask-bytes", "4", "--megatorch-activations",
+                                         "--flash-attention", c=c, comm=comm)
+        assert planned == measured, recompute

@@ -167,12 +167,9 @@ def _measure(shape, setting, attention_dropout=None):
 
 def _planned_layer_bytes(shape, setting, *flags):
     """megatorch-plan's activation bytes for one layer and one micro-batch in flight, fp32."""
-    s, b, h, a = shape
-    report = plan_json("--num-layers", "1", "--hidden-size", str(h), "--num-attention-heads", str(a),
-                       "--seq-length", str(s), "--vocab-size", "256", "--gpus-per-node", "1", "--nodes", "1",
-                       "--global-batch-size", str(b), "--micro-batch-size", str(b), "--precision", "fp32",
-                       "--recompute-granularity", setting, "--zero-stage", "0", *flags)
-    return report["top"][0]["memory"]["activation_bytes"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import activation_memory as am  # noqa: E402  (needs megatorch.cpp)
+    return am.planned_layer_bytes(CLI, am.Shape(*shape), setting, *flags)
 
 
 @pytest.mark.parametrize("shape", [(512, 1, 256, 8), (256, 2, 512, 8)])
