@@ -21,7 +21,8 @@ ParamAndGradBufferOptions buffer_options(const DistributedOptimizerOptions& o) {
       .bucket_size(o.bucket_size())
       .grad_in_fp32(o.grad_in_fp32())
       .overlap_grad_reduce(o.overlap_grad_reduce())
-      .broadcast_parameters(o.broadcast_parameters());
+      .broadcast_parameters(o.broadcast_parameters())
+      .grad_average_over(o.grad_average_over());
 }
 
 const std::string kScalerPrefix = "loss_scaler.";
@@ -100,7 +101,7 @@ void DistributedOptimizer::zero_grad() {
   sharding_->reset_backward();
 }
 
-std::pair<bool, double> DistributedOptimizer::overflow_and_norm() {
+GradStats DistributedOptimizer::overflow_and_norm() {
   // Each parameter counted once in the norm: only the owned range of each bucket, only
   // parameters marked counted_in_norm (not a TP-replicated copy on tp rank > 0, not a tied
   // copy). Norms of contiguous fp32 slices (vectorised, no copies), squares summed in
@@ -137,32 +138,74 @@ std::pair<bool, double> DistributedOptimizer::overflow_and_norm() {
   return {v[0] > 0, v[1]};
 }
 
-bool DistributedOptimizer::step() {
+GradStats DistributedOptimizer::prepare_step() {
   sharding_->finish_param_gather();  // a forward that skipped some unit leaves its gather pending
   buffer_->finish_grad_sync();
   // A unit prefetched but never gathered this step would otherwise hold pre-update values.
   sharding_->drop_prefetches();
-  const auto [overflow, sum_of_squares] = overflow_and_norm();
-  double grad_scale = 1.0;  // unscale and clip in one multiply
+  return overflow_and_norm();
+}
+
+void DistributedOptimizer::apply_step(double grad_scale, double grad_norm) {
   skipped_ = false;
-  if (const auto& scaler = options_.loss_scaler()) {
-    const double used = scaler->scale();  // what this step's loss was multiplied by
-    skipped_ = scaler->update(overflow);
-    // A skipped step leaves parameters and optimizer state untouched, bit for bit.
-    if (skipped_) return false;
-    grad_scale = 1.0 / used;
-  }
-  grad_norm_ = std::sqrt(sum_of_squares) * grad_scale;
-  if (options_.clip_grad() > 0) {
-    const double coef = options_.clip_grad() / (grad_norm_ + 1e-6);
-    if (coef < 1.0) grad_scale *= coef;
-  }
+  grad_norm_ = grad_norm;
   ++step_;
   update(grad_scale);
   // Every rank updated its range: the sharding makes the parameters whole again (stages
   // 1-2: all-gathers, now or as the next forward reaches each unit; stage 3: frees the
   // units still gathered, which hold the old values).
   sharding_->after_update();
+}
+
+bool DistributedOptimizer::step() { return step_together({this}); }
+
+bool step_together(const std::vector<DistributedOptimizer*>& optimizers) {
+  // Everything checked before the first collective: a refusal on one rank is a refusal
+  // on all (the options are the same everywhere), so no rank is left waiting.
+  MEGATORCH_CHECK(!optimizers.empty(), "step_together: expected at least one DistributedOptimizer, got none");
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    MEGATORCH_CHECK(optimizers[i] != nullptr, "step_together: optimizer ", i, " is null; pass the optimizers to step");
+    for (size_t j = 0; j < i; ++j) {
+      MEGATORCH_CHECK(optimizers[j] != optimizers[i], "step_together: optimizer ", i, " is optimizer ", j,
+                      " again; pass each optimizer once (its parameters would be updated twice)");
+    }
+  }
+  const auto& first = optimizers.front()->options();
+  for (size_t i = 1; i < optimizers.size(); ++i) {
+    const auto& o = optimizers[i]->options();
+    // One loss scaled every gradient: one scale unscales them and one update follows.
+    MEGATORCH_CHECK(o.loss_scaler() == first.loss_scaler(), "step_together: expected every optimizer to share "
+                    "optimizer 0's loss scaler (", first.loss_scaler() ? "a DynamicLossScaler" : "none",
+                    "); optimizer ", i, " has ", o.loss_scaler() ? "a different one" : "none",
+                    ". Give all of them the same std::shared_ptr<DynamicLossScaler> in loss_scaler (or none)");
+    // One global norm, one clip coefficient.
+    MEGATORCH_CHECK(o.clip_grad() == first.clip_grad(), "step_together: expected every optimizer to have optimizer 0's "
+                    "clip_grad (", first.clip_grad(), "); optimizer ", i, " has ", o.clip_grad(),
+                    ". Set the same clip_grad on all of them (the norm they clip is their joint one)");
+  }
+  bool overflow = false;
+  double sum_of_squares = 0.0;  // disjoint parameters: the squared norms add
+  for (auto* opt : optimizers) {
+    const GradStats s = opt->prepare_step();
+    overflow = overflow || s.overflow;
+    sum_of_squares += s.sum_of_squares;
+  }
+  double grad_scale = 1.0;  // unscale and clip in one multiply
+  if (const auto& scaler = first.loss_scaler()) {
+    const double used = scaler->scale();  // what this step's loss was multiplied by
+    // A skipped step leaves parameters and optimizer state untouched, bit for bit.
+    if (scaler->update(overflow)) {
+      for (auto* opt : optimizers) opt->skip_step();
+      return false;
+    }
+    grad_scale = 1.0 / used;
+  }
+  const double grad_norm = std::sqrt(sum_of_squares) * grad_scale;
+  if (first.clip_grad() > 0) {
+    const double coef = first.clip_grad() / (grad_norm + 1e-6);
+    if (coef < 1.0) grad_scale *= coef;
+  }
+  for (auto* opt : optimizers) opt->apply_step(grad_scale, grad_norm);
   return true;
 }
 

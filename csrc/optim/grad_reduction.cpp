@@ -73,9 +73,11 @@ void ParamAndGradBuffer::start_bucket(int64_t b) {
   bs.launched = true;
   if (options_.zero_stage() >= 2) ensure_grad_staging(b);
   const int64_t dp = dp_.size();
+  const int64_t divisor = options_.grad_average_over() > 0 ? options_.grad_average_over() : dp;
+  // Gloo has no average: scale by 1/divisor, then sum (exact for powers of two). A group of
+  // one rank still divides when told to average over more ranks than it has.
+  if (divisor != 1) bs.grad_full.mul_(1.0 / static_cast<double>(divisor));
   if (dp == 1) return;
-  // Gloo has no average: scale by 1/d, then sum (exact for powers of two).
-  bs.grad_full.mul_(1.0 / static_cast<double>(dp));
   bs.work = options_.zero_stage() == 0 ? dp_.all_reduce_async(bs.grad_full) : dp_.reduce_scatter_async(bs.grad_full);
 }
 

@@ -18,6 +18,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<std::vector<at::Tensor>> unit
   const int64_t stage = options_.zero_stage();
   MEGATORCH_CHECK(stage >= 0 && stage <= 3, "DistributedOptimizer: expected zero_stage in 0..3, got ", stage,
                   "; use 0 (plain DP), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)");
+  MEGATORCH_CHECK(options_.grad_average_over() >= 0, "DistributedOptimizer: expected grad_average_over >= 0, got ",
+                  options_.grad_average_over(), "; use 0 (average over the DP group) or the number of ranks whose "
+                  "gradients the reduced sum should be averaged over");
   for (size_t u = 0; u < units_.size(); ++u) {
     for (const auto& p : units_[u]) {
       MEGATORCH_CHECK(p.defined() && p.is_leaf() && p.requires_grad(),

@@ -65,6 +65,21 @@ struct DistributedOptimizerOptions {
   TORCH_ARG(bool, overlap_param_gather) = false;
   // Broadcast parameters from DP rank 0 at construction (as DDP does).
   TORCH_ARG(bool, broadcast_parameters) = true;
+  // The DP reduction sums each gradient over the DP group and divides by this; 0: the DP
+  // group's size (the mean). Expert parameters are reduced over the expert-DP group but
+  // averaged over DP x CP, as the dense ones (Megatron's expert gradient scaling): that
+  // group may be smaller or larger than DP x CP, and may hold ranks that saw different
+  // tokens of the same sequences (TP ranks under sequence parallelism), whose
+  // contributions must add rather than average.
+  TORCH_ARG(int64_t, grad_average_over) = 0;
+};
+
+// What DistributedOptimizer::prepare_step found in this optimizer's reduced gradients,
+// already reduced over its groups: whether any is non-finite, and the sum of squares of
+// those counted in the norm (not yet unscaled).
+struct GradStats {
+  bool overflow = false;
+  double sum_of_squares = 0.0;
 };
 
 class DistributedOptimizer {
@@ -86,7 +101,20 @@ class DistributedOptimizer {
   // Waits for (or starts) every bucket's reduction, checks for overflow, clips, updates
   // the owned shard and makes the full parameters current again (all-gather after the step
   // for stages 1-2). Returns false when the step was skipped (overflow).
+  // step_together({this}): the phases below with this optimizer's scaler and clip_grad.
   bool step();
+
+  // step() in phases, so several optimizers can share one norm, one overflow decision and
+  // one loss-scaler update (step_together). Collective over this optimizer's groups.
+  // Finishes the parameter gathers and the gradient reduction, and returns the overflow
+  // flag and the squared norm, reduced over the model-parallel groups (and DP once
+  // gradients are sharded).
+  GradStats prepare_step();
+  // Updates with gradients multiplied by grad_scale (unscaling and clipping in one), and
+  // records grad_norm (what grad_norm() reports) and one more step.
+  void apply_step(double grad_scale, double grad_norm);
+  // Records a step skipped on overflow: nothing changes but last_step_skipped().
+  void skip_step() { skipped_ = true; }
 
   void set_lr(double lr) { options_.lr(lr); }
   double lr() const { return options_.lr(); }
@@ -156,7 +184,7 @@ class DistributedOptimizer {
 
   void build_state();
   // Non-finite gradients anywhere (any rank) and the global squared norm: one reduction.
-  std::pair<bool, double> overflow_and_norm();
+  GradStats overflow_and_norm();
   void update(double grad_scale);
 
   DistributedOptimizerOptions options_;
@@ -169,5 +197,15 @@ class DistributedOptimizer {
   double grad_norm_ = 0.0;
   bool skipped_ = false;
 };
+
+// Steps several optimizers over disjoint parameters as one (Megatron-core's
+// ChainedOptimizer): dense parameters over DP x CP and expert parameters over the
+// expert-DP group. One overflow decision (any optimizer's), one global norm (the sum of
+// their squared norms, each already reduced over its own groups, so each optimizer's
+// groups must cover every rank holding its parameters), one update of the loss scaler
+// they share, one clip coefficient. Every optimizer must have the same loss_scaler
+// pointer (or all none) and the same clip_grad. Returns false when the step was skipped.
+// With one optimizer: exactly step().
+bool step_together(const std::vector<DistributedOptimizer*>& optimizers);
 
 }  // namespace megatorch::optim

@@ -13,7 +13,8 @@
 // only that range between steps (full gradients live in a staging buffer from the bucket's
 // first gradient until its reduce-scatter is done); stage 3 also keeps only the owned range
 // of the parameters (param_sharding.h gathers them). Averaging over DP is a scale by 1/d
-// then a sum: the same on every backend (Gloo has no AVG), exact for power-of-two d.
+// then a sum: the same on every backend (Gloo has no AVG), exact for power-of-two d
+// (grad_average_over: another d).
 #include <ATen/Tensor.h>
 #include <torch/arg.h>
 
@@ -56,6 +57,10 @@ struct ParamAndGradBufferOptions {
   TORCH_ARG(bool, overlap_grad_reduce) = true;
   // Broadcast parameters from DP rank 0 at construction (as DDP does).
   TORCH_ARG(bool, broadcast_parameters) = true;
+  // The reduction sums over the DP group and divides by this; 0: the group's size. Another
+  // divisor when the group is not the one to average over (expert parameters: reduced
+  // over expert-DP, averaged over DP x CP; see DistributedOptimizerOptions).
+  TORCH_ARG(int64_t, grad_average_over) = 0;
 };
 
 class ParamAndGradBuffer {
