@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <sstream>
 
@@ -15,8 +16,9 @@
 namespace megatorch::parallel {
 namespace {
 
-constexpr std::array<GroupKind, 6> kAllKinds{GroupKind::kWorld,    GroupKind::kTensor,  GroupKind::kData,
-                                             GroupKind::kPipeline, GroupKind::kContext, GroupKind::kDataContext};
+constexpr std::array<GroupKind, 9> kAllKinds{GroupKind::kWorld,    GroupKind::kTensor,       GroupKind::kData,
+                                             GroupKind::kPipeline, GroupKind::kContext,      GroupKind::kDataContext,
+                                             GroupKind::kExpert,   GroupKind::kExpertTensor, GroupKind::kExpertData};
 
 // Every rank builds its ParallelStates in the same order, so this count names the same
 // store namespace on every rank and a later state never reads an earlier one's keys.
@@ -63,7 +65,8 @@ ParallelState::ParallelState(ParallelStateOptions options)
       layout_([&] {
         const LaunchEnv env = LaunchEnv::from_environment();
         return RankLayout(env.world_size, options_.tensor_model_parallel_size(),
-                          options_.pipeline_model_parallel_size(), options_.context_parallel_size());
+                          options_.pipeline_model_parallel_size(), options_.context_parallel_size(),
+                          options_.expert_model_parallel_size(), options_.expert_tensor_parallel_size());
       }()),
       rank_(0),
       local_rank_(0) {
@@ -79,7 +82,8 @@ ParallelState::ParallelState(c10::intrusive_ptr<c10d::Store> store, int64_t rank
                              ParallelStateOptions options)
     : options_(std::move(options)),
       layout_(world_size, options_.tensor_model_parallel_size(), options_.pipeline_model_parallel_size(),
-              options_.context_parallel_size()),
+              options_.context_parallel_size(), options_.expert_model_parallel_size(),
+              options_.expert_tensor_parallel_size()),
       rank_(rank),
       local_rank_(rank),
       store_(std::move(store)) {
@@ -109,13 +113,19 @@ void ParallelState::build_groups() {
   const auto root = c10::make_intrusive<c10d::PrefixStore>(
       "megatorch/" + std::to_string(instance_counter().fetch_add(1)) + "/", store_);
   // Same kind order on every rank: each group's members rendezvous together.
-  for (GroupKind kind : kAllKinds) {
+  for (auto it = kAllKinds.begin(); it != kAllKinds.end(); ++it) {
+    const GroupKind kind = *it;
     const int k = static_cast<int>(kind);
     ranks_[k] = layout_.group_ranks(kind, rank_);
-    // DP x CP has the members of DP without context parallelism (or of CP with one DP
-    // replica): the same group under a second name, not a second connection.
-    if (kind == GroupKind::kDataContext && (layout_.cp_size() == 1 || layout_.dp_size() == 1)) {
-      groups_[k] = groups_[static_cast<int>(layout_.cp_size() == 1 ? GroupKind::kData : GroupKind::kContext)];
+    // A kind with the members of one built before (DP x CP without CP, EP = TP, ...) is the
+    // same group under a second name, not a second connection. Groups of a kind partition
+    // the ranks, so every member of this group finds the same earlier kind and all of them
+    // skip the rendezvous together.
+    const auto same = std::find_if(kAllKinds.begin(), it, [&](GroupKind earlier) {
+      return ranks_[static_cast<int>(earlier)] == ranks_[k];
+    });
+    if (same != it) {
+      groups_[k] = groups_[static_cast<int>(*same)];
       c10d::register_process_group(names_[k], groups_[k]);
       continue;
     }
@@ -153,8 +163,10 @@ const std::vector<int64_t>& ParallelState::group_ranks(GroupKind kind) const {
 std::string ParallelState::describe() const {
   std::ostringstream os;
   const RankCoord c = coord();
+  const ExpertCoord e = expert_coord();
   os << "rank " << rank_ << " (" << layout_.describe() << "; tp_rank " << c.tp << ", cp_rank " << c.cp
-     << ", dp_rank " << c.dp << ", pp_rank " << c.pp << ", device " << choice_.device << ", backend " << choice_.backend << ")";
+     << ", dp_rank " << c.dp << ", pp_rank " << c.pp << ", ep_rank " << e.ep << ", etp_rank " << e.etp
+     << ", edp_rank " << e.edp << ", device " << choice_.device << ", backend " << choice_.backend << ")";
   for (GroupKind kind : kAllKinds) {
     os << "\n  " << group_kind_name(kind) << " group '" << group_name(kind) << "': [";
     const auto& r = group_ranks(kind);

@@ -67,6 +67,8 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                   o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
   auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())
                     .context_parallel_size(o.context_parallel())
+                    .expert_model_parallel_size(o.expert_parallel())
+                    .expert_tensor_parallel_size(o.expert_tensor_parallel())
                     .name(o.name())
                     .device(o.device())
                     .backend(o.backend());
@@ -87,6 +89,9 @@ std::string TrainingLoop::dp_group() const { return state_->group_name(GroupKind
 std::string TrainingLoop::cp_group() const {
   return state_->cp_size() > 1 ? state_->group_name(GroupKind::kContext) : "";
 }
+std::string TrainingLoop::ep_group() const { return state_->group_name(GroupKind::kExpert); }
+std::string TrainingLoop::etp_group() const { return state_->group_name(GroupKind::kExpertTensor); }
+std::string TrainingLoop::edp_group() const { return state_->group_name(GroupKind::kExpertData); }
 std::string TrainingLoop::grad_group() const {
   return state_->group_name(state_->cp_size() > 1 ? GroupKind::kDataContext : GroupKind::kData);
 }

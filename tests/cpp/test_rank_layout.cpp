@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <set>
 
+using megatorch::parallel::ExpertCoord;
 using megatorch::parallel::GroupKind;
 using megatorch::parallel::RankCoord;
 using megatorch::parallel::RankLayout;
@@ -46,6 +47,52 @@ TEST_CASE("Megatron's rank order for world 16, tp 2, cp 2, pp 2", "[layout]") {
   // Without CP the DP x CP group is the DP group.
   RankLayout no_cp(16, 2, 4);
   CHECK(no_cp.groups(GroupKind::kDataContext) == no_cp.groups(GroupKind::kData));
+}
+
+// Megatron-core's parallel folding example: attention at tp 2 x dp 4 x pp 2, experts at
+// ep 4 (etp 1) inside each stage's 8 ranks, so the expert groups cross the TP groups.
+TEST_CASE("expert parallelism folds into each pipeline stage: world 16, tp 2, pp 2, ep 4", "[layout]") {
+  RankLayout layout(16, 2, 2, 1, 4, 1);
+  CHECK(layout.dp_size() == 4);
+  CHECK(layout.ep_size() == 4);
+  CHECK(layout.etp_size() == 1);
+  CHECK(layout.edp_size() == 2);
+  CHECK(layout.size(GroupKind::kExpertData) == 2);
+  CHECK(layout.groups(GroupKind::kExpert) == Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}});
+  CHECK(layout.groups(GroupKind::kExpertData) ==
+        Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}});
+  Groups singles;
+  for (int64_t r = 0; r < 16; ++r) singles.push_back({r});
+  CHECK(layout.groups(GroupKind::kExpertTensor) == singles);
+  CHECK(layout.expert_coord(13) == ExpertCoord{0, 1, 1, 1});
+  CHECK(layout.expert_rank_of(ExpertCoord{0, 2, 0, 1}) == 10);
+  CHECK(layout.group_index(GroupKind::kExpert, 13) == 3);
+  CHECK(layout.group_index(GroupKind::kExpertData, 13) == 5);
+  CHECK(layout.describe() == "world 16 = tp 2 x dp 4 x pp 2 (experts: etp 1 x ep 4 x edp 2)");
+  // The attention groups are Megatron's as without experts.
+  CHECK(layout.groups(GroupKind::kData) ==
+        Groups{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}});
+}
+
+// etp slots in at tp's place: experts split over etp 2, distributed over ep 2, replicated
+// over edp 4 (world 16, tp 2, pp 1, so dp 8).
+TEST_CASE("expert tensor parallelism: world 16, tp 2, ep 2, etp 2", "[layout]") {
+  RankLayout layout(16, 2, 1, 1, 2, 2);
+  CHECK(layout.edp_size() == 4);
+  CHECK(layout.groups(GroupKind::kExpertTensor) ==
+        Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}, {12, 13}, {14, 15}});
+  CHECK(layout.groups(GroupKind::kExpert) ==
+        Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}});
+  CHECK(layout.groups(GroupKind::kExpertData) == Groups{{0, 4, 8, 12}, {1, 5, 9, 13}, {2, 6, 10, 14}, {3, 7, 11, 15}});
+  CHECK(layout.expert_coord(11) == ExpertCoord{1, 1, 2, 0});
+  CHECK(layout.describe() == "world 16 = tp 2 x dp 8 x pp 1 (experts: etp 2 x ep 2 x edp 4)");
+  // Without experts the groups are trivial, except edp: the whole stage.
+  RankLayout plain(16, 2, 2);
+  CHECK(plain.ep_size() == 1);
+  CHECK(plain.etp_size() == 1);
+  CHECK(plain.edp_size() == 8);
+  CHECK(plain.groups(GroupKind::kExpertData) == Groups{{0, 1, 2, 3, 4, 5, 6, 7}, {8, 9, 10, 11, 12, 13, 14, 15}});
+  CHECK(plain.describe() == "world 16 = tp 2 x dp 4 x pp 2");
 }
 
 // Every (world <= 512, tp, cp, pp) with tp * cp * pp dividing world: each rank is in
@@ -114,6 +161,73 @@ TEST_CASE("rank layout invariants for every valid world <= 512", "[layout]") {
   CHECK(layouts > 20000);
 }
 
+// Every (world <= 64, tp, cp, pp, ep, etp) with tp * cp * pp dividing world and ep * etp
+// dividing a stage's tp * cp * dp: each expert kind partitions the ranks into groups of its
+// size inside one pipeline stage, members differ only in the kind's expert coordinate,
+// ep * etp * edp = tp * cp * dp, the three kinds meet in at most one rank, and expert
+// coordinates round-trip.
+TEST_CASE("expert layout invariants for every valid world <= 64", "[layout]") {
+  const GroupKind kinds[] = {GroupKind::kExpert, GroupKind::kExpertTensor, GroupKind::kExpertData};
+  int64_t layouts = 0;
+  for (int64_t world = 1; world <= 64; ++world) {
+    for (int64_t tp = 1; tp <= world; ++tp) {
+      if (world % tp) continue;
+      for (int64_t pp = 1; pp <= world / tp; ++pp) {
+        if ((world / tp) % pp) continue;
+        for (int64_t cp = 1; cp <= world / (tp * pp); ++cp) {
+          if ((world / (tp * pp)) % cp) continue;
+          const int64_t stage = world / pp;
+          for (int64_t ep = 1; ep <= stage; ++ep) {
+            if (stage % ep) continue;
+            for (int64_t etp = 1; etp <= stage / ep; ++etp) {
+              if ((stage / ep) % etp) continue;
+              ++layouts;
+              RankLayout layout(world, tp, pp, cp, ep, etp);
+              bool ok = layout.ep_size() * layout.etp_size() * layout.edp_size() ==
+                        layout.tp_size() * layout.cp_size() * layout.dp_size();
+              std::vector<std::vector<int64_t>> index_of(3, std::vector<int64_t>(world, -1));
+              for (int k = 0; k < 3; ++k) {
+                const auto groups = layout.groups(kinds[k]);
+                ok &= static_cast<int64_t>(groups.size()) * layout.size(kinds[k]) == world;
+                for (size_t g = 0; g < groups.size(); ++g) {
+                  ok &= static_cast<int64_t>(groups[g].size()) == layout.size(kinds[k]);
+                  ok &= std::is_sorted(groups[g].begin(), groups[g].end());
+                  const ExpertCoord first = layout.expert_coord(groups[g][0]);
+                  for (int64_t r : groups[g]) {
+                    ok &= index_of[k][r] == -1;  // in no other group of this kind
+                    index_of[k][r] = static_cast<int64_t>(g);
+                    ok &= layout.group_index(kinds[k], r) == static_cast<int64_t>(g);
+                    const ExpertCoord e = layout.expert_coord(r);
+                    ok &= layout.expert_rank_of(e) == r;
+                    ok &= e.pp == layout.coord(r).pp;  // inside one pipeline stage
+                    ok &= e.pp == first.pp;
+                    ok &= kinds[k] == GroupKind::kExpert || e.ep == first.ep;
+                    ok &= kinds[k] == GroupKind::kExpertTensor || e.etp == first.etp;
+                    ok &= kinds[k] == GroupKind::kExpertData || e.edp == first.edp;
+                  }
+                }
+              }
+              for (int a = 0; a < 3; ++a) {
+                for (int b = a + 1; b < 3; ++b) {
+                  std::set<std::pair<int64_t, int64_t>> seen;
+                  for (int64_t r = 0; r < world; ++r) {
+                    ok &= index_of[a][r] >= 0;
+                    ok &= seen.insert({index_of[a][r], index_of[b][r]}).second;  // groups meet in <= 1 rank
+                  }
+                }
+              }
+              INFO("world " << world << ", tp " << tp << ", cp " << cp << ", pp " << pp << ", ep " << ep << ", etp "
+                            << etp);
+              REQUIRE(ok);
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(layouts > 5000);
+}
+
 TEST_CASE("bad layouts fail with what was expected and what was given", "[layout]") {
   CHECK_THROWS_WITH(RankLayout(6, 4, 1), Catch::Contains("divisible") && Catch::Contains("got world size 6"));
   CHECK_THROWS_WITH(RankLayout(8, 2, 3), Catch::Contains("2 x 3 = 6"));
@@ -123,4 +237,17 @@ TEST_CASE("bad layouts fail with what was expected and what was given", "[layout
   CHECK_THROWS_WITH(RankLayout(4, 2, 1).coord(4), Catch::Contains("rank in [0, 4)"));
   CHECK_THROWS_WITH(RankLayout(8, 2, 1, 3), Catch::Contains("context-parallel-size") && Catch::Contains("2 x 3 x 1 = 6"));
   CHECK_THROWS_WITH(RankLayout(8, 1, 1, 0), Catch::Contains("context-parallel-size >= 1, got 0"));
+  CHECK_THROWS_WITH(RankLayout(8, 2, 1, 1, 0), Catch::Contains("--expert-model-parallel-size >= 1, got 0"));
+  CHECK_THROWS_WITH(RankLayout(8, 2, 1, 1, 1, -1), Catch::Contains("--expert-tensor-parallel-size >= 1, got -1"));
+  // 3 does not divide a stage's tp 2 x cp 1 x dp 2 = 4 ranks (world 8, pp 2).
+  CHECK_THROWS_WITH(RankLayout(8, 2, 2, 1, 3),
+                    Catch::Contains("--expert-model-parallel-size x --expert-tensor-parallel-size") &&
+                        Catch::Contains("2 x 1 x 2 = 4 ranks per pipeline stage") && Catch::Contains("got 3 x 1 = 3"));
+  CHECK_THROWS_WITH(RankLayout(16, 2, 2, 2, 4, 4),
+                    Catch::Contains("--expert-tensor-parallel-size") && Catch::Contains("got 4 x 4 = 16") &&
+                        Catch::Contains("divides 8"));
+  CHECK_THROWS_WITH(RankLayout(8, 1, 1, 1, int64_t{1} << 40, int64_t{1} << 40),
+                    Catch::Contains("--expert-model-parallel-size") && Catch::Contains("more than int64 holds"));
+  CHECK_THROWS_WITH(RankLayout(8, 2, 1).expert_rank_of(ExpertCoord{1, 0, 0, 0}),
+                    Catch::Contains("expert coordinate inside etp 1 x ep 1 x edp 8 x pp 1"));
 }

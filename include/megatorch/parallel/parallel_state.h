@@ -1,9 +1,12 @@
 #pragma once
 // ParallelState: the world store, the world process group and its split into tensor-,
-// context-, data- and pipeline-parallel groups in Megatron's rank order (rank_layout.h).
+// context-, data- and pipeline-parallel groups in Megatron's rank order (rank_layout.h),
+// and the expert layers' groups folded into each pipeline stage.
 // Every group is a c10d ProcessGroup registered by name ("<name>.tp", "<name>.cp",
-// "<name>.dp", "<name>.pp", "<name>.world", and "<name>.dp_cp": DP x CP, the gradient
-// reduction's group), so operators and Python code find it by that name.
+// "<name>.dp", "<name>.pp", "<name>.world", "<name>.dp_cp": DP x CP, the gradient
+// reduction's group, and "<name>.ep", "<name>.etp", "<name>.edp": expert-, expert-tensor-
+// and expert-data-parallel), so operators and Python code find it by that name. A kind
+// whose members equal an earlier kind's is that group under a second name.
 // No process-wide "current" state: hold the object, pass it (or group names) down.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -30,6 +33,10 @@ struct ParallelStateOptions {
   TORCH_ARG(int64_t, pipeline_model_parallel_size);
   // Ranks that split each sequence (context parallelism); world = tp x cp x dp x pp.
   TORCH_ARG(int64_t, context_parallel_size) = 1;
+  // The expert layers' layout inside each pipeline stage's tp x cp x dp ranks (Megatron's
+  // parallel folding): ep x etp must divide them; the rest is expert-data-parallel.
+  TORCH_ARG(int64_t, expert_model_parallel_size) = 1;
+  TORCH_ARG(int64_t, expert_tensor_parallel_size) = 1;
   // Prefix of the registered group names; two live ParallelStates need different names.
   TORCH_ARG(std::string, name) = "megatorch";
   // "auto": CUDA (device = LOCAL_RANK) when a GPU is present, else CPU; "cpu", "cuda" or
@@ -67,6 +74,13 @@ class ParallelState {
   int64_t dp_size() const { return layout_.dp_size(); }
   int64_t pp_size() const { return layout_.pp_size(); }
   int64_t cp_size() const { return layout_.cp_size(); }
+  ExpertCoord expert_coord() const { return layout_.expert_coord(rank_); }
+  int64_t ep_rank() const { return expert_coord().ep; }
+  int64_t etp_rank() const { return expert_coord().etp; }
+  int64_t edp_rank() const { return expert_coord().edp; }
+  int64_t ep_size() const { return layout_.ep_size(); }
+  int64_t etp_size() const { return layout_.etp_size(); }
+  int64_t edp_size() const { return layout_.edp_size(); }
 
   const std::string& group_name(GroupKind kind) const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group(GroupKind kind) const;
@@ -89,7 +103,7 @@ class ParallelState {
   int64_t local_rank_;
   DeviceChoice choice_;
   c10::intrusive_ptr<c10d::Store> store_;
-  static constexpr int kKinds = 6;
+  static constexpr int kKinds = 9;
   std::array<std::string, kKinds> names_;
   std::array<std::vector<int64_t>, kKinds> ranks_;
   std::array<c10::intrusive_ptr<c10d::ProcessGroup>, kKinds> groups_;

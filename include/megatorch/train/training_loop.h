@@ -58,6 +58,10 @@ struct TrainingLoopOptions {
   // (GPT's PipelineStage on a config whose context_parallel_group is cp_group());
   // gradients and ZeRO shards then span DP × CP.
   TORCH_ARG(int64_t, context_parallel) = 1;
+  // The expert layers' layout inside DP x CP x TP (Megatron's parallel folding): their
+  // ep x etp ranks re-split each pipeline stage; the rest is expert-data-parallel.
+  TORCH_ARG(int64_t, expert_parallel) = 1;
+  TORCH_ARG(int64_t, expert_tensor_parallel) = 1;
   TORCH_ARG(int64_t, virtual_chunks) = 1;
   TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved
   TORCH_ARG(int64_t, zero_stage) = 0;
@@ -130,6 +134,11 @@ class TrainingLoop {
   std::string pp_group() const;  // "" without pipeline parallelism
   std::string dp_group() const;
   std::string cp_group() const;  // "" without context parallelism
+  // The expert layers' groups: experts, each expert's tensor split, and its replicas
+  // (registered names at every size, 1 included).
+  std::string ep_group() const;
+  std::string etp_group() const;
+  std::string edp_group() const;
   // The group gradients are averaged over and ZeRO shards over: DP, or DP × CP.
   std::string grad_group() const;
   int64_t dp_rank() const;
