@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <functional>
+#include <numeric>
 #include <sstream>
 
 #include "group_cache.h"
@@ -220,6 +222,36 @@ Work Group::all_to_all_async(const at::Tensor& input, int64_t split_dim, int64_t
 
 at::Tensor Group::all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim) {
   return all_to_all_async(input, split_dim, concat_dim).wait();
+}
+
+at::Tensor Group::all_to_all_rows(const at::Tensor& input, const std::vector<int64_t>& send_rows,
+                                  const std::vector<int64_t>& recv_rows) {
+  MEGATORCH_CHECK(input.dim() >= 1, "all_to_all_rows on group '", name_, "': expected a tensor of at least one ",
+                  "dimension, got a scalar");
+  MEGATORCH_CHECK(static_cast<int64_t>(send_rows.size()) == size_ && static_cast<int64_t>(recv_rows.size()) == size_,
+                  "all_to_all_rows on group '", name_, "': expected ", size_, " send and receive row counts (one per ",
+                  "rank), got ", send_rows.size(), " and ", recv_rows.size());
+  int64_t sent = 0, received = 0;
+  for (int64_t j = 0; j < size_; ++j) {
+    MEGATORCH_CHECK(send_rows[j] >= 0 && recv_rows[j] >= 0, "all_to_all_rows on group '", name_,
+                    "': expected non-negative row counts, got ", send_rows[j], " to and ", recv_rows[j], " from rank ", j);
+    sent += send_rows[j];
+    received += recv_rows[j];
+  }
+  MEGATORCH_CHECK(sent == input.size(0), "all_to_all_rows on group '", name_, "': the send counts add up to ", sent,
+                  " rows but the input has ", input.size(0), "; send every row exactly once");
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape[0] = received;
+  at::Tensor in = input.contiguous();
+  if (size_ == 1) return in.clone();
+  const int64_t row_elems = std::accumulate(shape.begin() + 1, shape.end(), int64_t{1}, std::multiplies<int64_t>());
+  auto info = begin(CommOp::kAllToAll, (sent - send_rows[rank_]) * row_elems * in.element_size(), backend_for(in));
+  at::Tensor out = at::empty(shape, in.options());
+  std::vector<int64_t> out_splits(recv_rows.begin(), recv_rows.end()), in_splits(send_rows.begin(), send_rows.end());
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  auto work = pg_->alltoall_base(out, in, out_splits, in_splits, opts);
+  return Work(work, info, [out, in]() { return out; }).wait();
 }
 
 Work Group::broadcast_async(at::Tensor& tensor, int64_t src) {

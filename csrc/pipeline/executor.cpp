@@ -13,6 +13,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/moe/moe_layer.h"
 #include "megatorch/pipeline/compute_timer.h"
 #include "megatorch/pipeline/p2p_batches.h"
 
@@ -76,6 +77,10 @@ class StepRun {
     MEGATORCH_CHECK(options_.schedule() == ScheduleKind::kInterleaved || v_ == 1, "pipeline: the ",
                     schedule_kind_name(options_.schedule()), " schedule runs one chunk per stage, got ", v_,
                     " virtual chunks; use the interleaved schedule");
+    // MoE auxiliary losses take the gradient each micro-batch's loss takes: scale / m.
+    if (!options_.forward_only()) {
+      moe::set_aux_loss_backward_scale(stage_.stage_module(), options_.loss_scale() / static_cast<double>(m_));
+    }
     const auto actions = options_.forward_only()
                              ? build_forward_only_schedule(options_.schedule(), p_, m_, v_, rank_)
                              : build_schedule(options_.schedule(), p_, m_, v_, rank_);

@@ -20,6 +20,14 @@ struct Replay : torch::CustomClassHolder {
   tp::RngTracker::Snapshot tracker_state;  // when there is one
 };
 
+thread_local int replay_depth = 0;
+
+// Marks the replay for recompute_replaying() (exception-safe).
+struct ReplayScope {
+  ReplayScope() { ++replay_depth; }
+  ~ReplayScope() { --replay_depth; }
+};
+
 class Recomputation : public torch::autograd::Function<Recomputation> {
  public:
   // Inputs as a TensorList: the form autograd::Function tracks as differentiable.
@@ -48,12 +56,14 @@ class Recomputation : public torch::autograd::Function<Recomputation> {
       const auto now = replay->tracker->snapshot();
       replay->tracker->restore(replay->tracker_state);
       torch::AutoGradMode on(true);
+      ReplayScope replaying;
       outputs = replay->fn(inputs);
       replay->tracker->restore(now);
     } else {
       const at::Tensor now = tp::default_generator_state(replay->device);
       tp::set_default_generator_state(replay->device, replay->default_state);
       torch::AutoGradMode on(true);
+      ReplayScope replaying;
       outputs = replay->fn(inputs);
       tp::set_default_generator_state(replay->device, now);
     }
@@ -88,5 +98,7 @@ variable_list recompute(const RecomputeFn& fn, const variable_list& inputs, tp::
   if (tracker) replay->device = tracker->device();
   return Recomputation::apply(at::TensorList(inputs), c10::IValue::make_capsule(replay));
 }
+
+bool recompute_replaying() { return replay_depth > 0; }
 
 }  // namespace megatorch::transformer

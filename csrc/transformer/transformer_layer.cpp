@@ -27,7 +27,19 @@ void TransformerLayerImpl::reset() {
                                                                  .name(name + ".attention")
                                                                  .rng(options.rng())));
   post_attention_norm = register_module("post_attention_norm", make_norm(c));
-  mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(c).group(options.group()).name(name + ".mlp")));
+  if (c.is_moe_layer(options.layer_number())) {
+    moe = register_module("mlp", moe::MoELayer(moe::MoELayerOptions(c)
+                                                   .group(options.group())
+                                                   .name(name + ".mlp")
+                                                   .layer_number(options.layer_number())));
+  } else {
+    mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(c).group(options.group()).name(name + ".mlp")));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> TransformerLayerImpl::mlp_block(const at::Tensor& normed) {
+  if (moe) return {moe->forward(normed), at::Tensor()};
+  return {mlp->forward_without_bias(normed), mlp->fc2->bias};
 }
 
 at::Tensor TransformerLayerImpl::dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual) {
@@ -47,7 +59,8 @@ at::Tensor TransformerLayerImpl::layer(const at::Tensor& x, const at::Tensor& ro
   // The row-parallel biases are left to dropout_add (forward = forward_without_bias + bias).
   const at::Tensor a = attention->forward_without_bias(input_norm->forward(x), rope_freqs);
   const at::Tensor h = dropout_add(a, attention->proj->bias, x);
-  return dropout_add(mlp->forward_without_bias(post_attention_norm->forward(h)), mlp->fc2->bias, h);
+  const auto [m, bias] = mlp_block(post_attention_norm->forward(h));
+  return dropout_add(m, bias, h);
 }
 
 at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
@@ -66,7 +79,8 @@ at::Tensor TransformerLayerImpl::forward_cached(const at::Tensor& x, const at::T
   // layer() with the attention reading and extending the cache (dropout is off in eval).
   const at::Tensor a = attention->forward_cached_without_bias(input_norm->forward(x), rope_freqs, cache);
   const at::Tensor h = dropout_add(a, attention->proj->bias, x);
-  return dropout_add(mlp->forward_without_bias(post_attention_norm->forward(h)), mlp->fc2->bias, h);
+  const auto [m, bias] = mlp_block(post_attention_norm->forward(h));
+  return dropout_add(m, bias, h);
 }
 
 std::vector<at::Tensor> TransformerLayerImpl::sequence_parallel_parameters() const {
@@ -76,7 +90,11 @@ std::vector<at::Tensor> TransformerLayerImpl::sequence_parallel_parameters() con
     if (n->bias.defined()) out.push_back(n->bias);
   }
   if (attention->proj->bias.defined()) out.push_back(attention->proj->bias);
-  if (mlp->fc2->bias.defined()) out.push_back(mlp->fc2->bias);
+  if (moe) {
+    for (const auto& p : moe->sequence_parallel_parameters()) out.push_back(p);
+  } else if (mlp->fc2->bias.defined()) {
+    out.push_back(mlp->fc2->bias);
+  }
   return out;
 }
 

@@ -30,11 +30,16 @@ std::vector<tf::Activation> values(tf::Activation) { return {tf::Activation::kGe
 std::vector<tf::Positions> values(tf::Positions) { return {tf::Positions::kLearned, tf::Positions::kRope}; }
 std::vector<tf::Recompute> values(tf::Recompute) { return {tf::Recompute::kNone, tf::Recompute::kSelective, tf::Recompute::kFull}; }
 std::vector<tf::CpCommType> values(tf::CpCommType) { return {tf::CpCommType::kP2P, tf::CpCommType::kA2A}; }
+std::vector<tf::RouterScore> values(tf::RouterScore) { return {tf::RouterScore::kSoftmax, tf::RouterScore::kSigmoid}; }
+std::vector<tf::TokenDispatcher> values(tf::TokenDispatcher) {
+  return {tf::TokenDispatcher::kAllToAll, tf::TokenDispatcher::kAllGather};
+}
 
 template <class T>
 constexpr bool is_config_enum = std::is_same_v<T, tf::Normalization> || std::is_same_v<T, tf::Activation> ||
                                 std::is_same_v<T, tf::Positions> || std::is_same_v<T, tf::Recompute> ||
-                                std::is_same_v<T, tf::CpCommType>;
+                                std::is_same_v<T, tf::CpCommType> || std::is_same_v<T, tf::RouterScore> ||
+                                std::is_same_v<T, tf::TokenDispatcher>;
 
 std::string lower(std::string s) {
   for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
@@ -129,7 +134,18 @@ const std::vector<Field>& fields() {
           "context_parallel_group",
           [](const Config& c) -> const std::string& { return c.context_parallel_group(); },
           [](Config& c, std::string g) { c.context_parallel_group(std::move(g)); }),
-      MT_FIELD(cp_comm_type), MT_FIELD(recompute), MT_FIELD(params_dtype),
+      MT_FIELD(cp_comm_type), MT_FIELD(recompute),
+      MT_FIELD(num_experts), MT_FIELD(moe_router_topk), MT_FIELD(moe_ffn_hidden_size), MT_FIELD(moe_layer_freq),
+      MT_FIELD(moe_first_k_dense), MT_FIELD(moe_shared_expert_intermediate_size), MT_FIELD(moe_router_score_function),
+      MT_FIELD(moe_router_pre_softmax), MT_FIELD(moe_router_norm_topk_prob), MT_FIELD(moe_router_topk_scaling_factor),
+      MT_FIELD(moe_aux_loss_coeff), MT_FIELD(moe_z_loss_coeff), MT_FIELD(moe_router_enable_expert_bias),
+      MT_FIELD(moe_router_bias_update_rate), MT_FIELD(moe_expert_capacity_factor),
+      MT_FIELD(moe_pad_expert_input_to_capacity), MT_FIELD(moe_token_dispatcher_type), MT_FIELD(moe_grouped_gemm),
+      group_field(
+          "expert_parallel_group",
+          [](const Config& c) -> const std::string& { return c.expert_parallel_group(); },
+          [](Config& c, std::string g) { c.expert_parallel_group(std::move(g)); }),
+      MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
       MT_FIELD(shard_local_init), MT_FIELD(fused_kernels),
   };
@@ -235,9 +251,10 @@ PYBIND11_MODULE(_cpp, m) {
                      "Every field is a keyword argument and an attribute; enums are strings:\n"
                      "normalization 'LayerNorm'|'RMSNorm', activation 'gelu_tanh'|'swiglu',\n"
                      "position_embedding_type 'learned_absolute'|'rope', recompute 'none'|'selective'|'full',\n"
-                     "cp_comm_type 'p2p'|'a2a'; params_dtype a torch.dtype, device a torch.device or a string;\n"
-                     "context_parallel_group a group name, a torch.distributed ProcessGroup or None (read back as\n"
-                     "its name, '' for none).");
+                     "cp_comm_type 'p2p'|'a2a', moe_router_score_function 'softmax'|'sigmoid',\n"
+                     "moe_token_dispatcher_type 'alltoall'|'allgather'; params_dtype a torch.dtype, device a torch.device or a string;\n"
+                     "context_parallel_group and expert_parallel_group a group name, a torch.distributed ProcessGroup\n"
+                     "or None (read back as its name, '' for none).");
   config.def(py::init([](const py::kwargs& kwargs) {
         Config c;
         set_fields(c, kwargs);
@@ -251,8 +268,8 @@ PYBIND11_MODULE(_cpp, m) {
            },
            "A copy with the given fields changed.")
       .def("to_dict", &as_dict, "{field: value} for every field (the keyword arguments that rebuild it)")
-      .def("validate", &Config::validate, py::arg("tp_size") = 1, py::arg("cp_size") = 1,
-           "Every constraint against a TP (and CP) size.")
+      .def("validate", &Config::validate, py::arg("tp_size") = 1, py::arg("cp_size") = 1, py::arg("ep_size") = 1,
+           "Every constraint against a TP (and CP, EP) size.")
       .def_property_readonly("head_dim", &Config::head_dim)
       .def_property_readonly("ffn", &Config::ffn, "ffn_hidden_size, or its default when 0")
       .def_property_readonly("query_groups", &Config::query_groups)

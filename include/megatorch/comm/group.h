@@ -101,6 +101,13 @@ class Group {
   // alltoall_base after moving split_dim to the front). Ulysses' sequence <-> head swap.
   at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim);
   Work all_to_all_async(const at::Tensor& input, int64_t split_dim, int64_t concat_dim);
+  // Uneven all-to-all along dim 0 (c10d's alltoall_base with split sizes): the first
+  // send_rows[0] rows go to rank 0, the next send_rows[1] to rank 1, ...; the result holds
+  // recv_rows[j] rows from rank j, in rank order. Both lists have size() entries and must
+  // agree across ranks (rank i's send_rows[j] = rank j's recv_rows[i]). MoE's token
+  // dispatch: only the rows for other ranks count as bytes moved.
+  at::Tensor all_to_all_rows(const at::Tensor& input, const std::vector<int64_t>& send_rows,
+                             const std::vector<int64_t>& recv_rows);
   // `src`, `dst` are ranks within this group.
   at::Tensor broadcast(at::Tensor& tensor, int64_t src);
   Work broadcast_async(at::Tensor& tensor, int64_t src);

@@ -16,6 +16,10 @@ enum class Normalization { kLayerNorm, kRMSNorm };
 enum class Activation { kGeluTanh, kSwiGLU };
 enum class Positions { kLearned, kRope };
 enum class Recompute { kNone, kSelective, kFull };
+// Mixture of experts (moe/moe_layer.h): how the router scores experts, and how tokens
+// reach the expert-parallel ranks that hold their experts.
+enum class RouterScore { kSoftmax, kSigmoid };
+enum class TokenDispatcher { kAllToAll, kAllGather };
 
 struct TransformerConfig {
   TORCH_ARG(int64_t, hidden_size) = 64;
@@ -59,6 +63,43 @@ struct TransformerConfig {
   TORCH_ARG(std::string, context_parallel_group) = "";
   TORCH_ARG(CpCommType, cp_comm_type) = CpCommType::kP2P;
   TORCH_ARG(Recompute, recompute) = Recompute::kNone;
+  // Mixture of experts (Megatron-core's flag names; moe/moe_layer.h). 0 experts: a dense
+  // model. Layer i (0-based) is an MoE layer when i % moe_layer_freq == 0 and i >=
+  // moe_first_k_dense (DeepSeek's first_k_dense_replace).
+  TORCH_ARG(int64_t, num_experts) = 0;
+  TORCH_ARG(int64_t, moe_router_topk) = 2;
+  TORCH_ARG(int64_t, moe_ffn_hidden_size) = 0;  // per expert; 0: ffn()
+  TORCH_ARG(int64_t, moe_layer_freq) = 1;
+  TORCH_ARG(int64_t, moe_first_k_dense) = 0;
+  // Shared experts (DeepSeek, Qwen2-MoE): one dense MLP of this width every token passes
+  // through, added to the routed experts' output; 0: none.
+  TORCH_ARG(int64_t, moe_shared_expert_intermediate_size) = 0;
+  // softmax: top-k of the logits, then a softmax over the k (Megatron's default), or with
+  // pre_softmax the top-k of the softmax over all experts (Mixtral); sigmoid: DeepSeek-V3.
+  TORCH_ARG(RouterScore, moe_router_score_function) = RouterScore::kSoftmax;
+  TORCH_ARG(bool, moe_router_pre_softmax) = false;
+  // Renormalise the k weights to sum to 1 (HF's norm_topk_prob), then scale them.
+  TORCH_ARG(bool, moe_router_norm_topk_prob) = false;
+  TORCH_ARG(double, moe_router_topk_scaling_factor) = 1.0;
+  // Load balancing: Switch's auxiliary loss alpha * E * sum_i f_i * P_i, the router z-loss
+  // beta * mean(logsumexp(logits)^2), and DeepSeek-V3's selection-only expert bias moved
+  // by rate * sign(mean load - load) after each step.
+  TORCH_ARG(double, moe_aux_loss_coeff) = 0.0;
+  TORCH_ARG(double, moe_z_loss_coeff) = 0.0;
+  TORCH_ARG(bool, moe_router_enable_expert_bias) = false;
+  TORCH_ARG(double, moe_router_bias_update_rate) = 1e-3;
+  // Capacity: <= 0 is dropless; else each expert takes at most ceil(T * k * cf / E) of a
+  // rank's T tokens, dropping the lowest-probability ones, and with pad_to_capacity
+  // exactly that many (zero-weight fillers), so every shape is static.
+  TORCH_ARG(double, moe_expert_capacity_factor) = 0.0;
+  TORCH_ARG(bool, moe_pad_expert_input_to_capacity) = false;
+  TORCH_ARG(TokenDispatcher, moe_token_dispatcher_type) = TokenDispatcher::kAllToAll;
+  // One grouped GEMM over every local expert (at::_grouped_mm); off: a GEMM per expert,
+  // for comparison.
+  TORCH_ARG(bool, moe_grouped_gemm) = true;
+  // The expert-parallel group's registered name ("" for none: every expert on every rank).
+  // A layout, not a property of the weights: checkpoints do not record it.
+  TORCH_ARG(std::string, expert_parallel_group) = "";
   TORCH_ARG(c10::ScalarType, params_dtype) = c10::kFloat;
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   TORCH_ARG(double, init_std) = 0.02;
@@ -75,12 +116,18 @@ struct TransformerConfig {
   int64_t query_groups() const { return num_query_groups_ > 0 ? num_query_groups_ : num_attention_heads_; }
   int64_t head_dim() const { return hidden_size_ / num_attention_heads_; }
   int64_t ffn() const;
+  int64_t moe_ffn() const { return moe_ffn_hidden_size_ > 0 ? moe_ffn_hidden_size_ : ffn(); }
+  bool is_moe_layer(int64_t layer) const {
+    return num_experts_ > 0 && layer >= moe_first_k_dense_ && layer % moe_layer_freq_ == 0;
+  }
   int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
 
-  // Every constraint against a TP (and CP) size, failing with what was expected and given.
-  void validate(int64_t tp_size, int64_t cp_size = 1) const;
+  // Every constraint against a TP (and CP, EP) size, failing with what was expected and given.
+  void validate(int64_t tp_size, int64_t cp_size = 1, int64_t ep_size = 1) const;
   // The constraints context parallelism adds (a no-op for cp 1).
   void validate_context_parallel(int64_t tp_size, int64_t cp_size) const;
+  // The constraints mixture of experts adds (a no-op without experts).
+  void validate_moe(int64_t tp_size, int64_t ep_size) const;
 };
 
 // How a parameter named `name` of this model is initialised (seed, std, dtype, device).
@@ -90,10 +137,14 @@ const char* to_string(Normalization n);
 const char* to_string(Activation a);
 const char* to_string(Positions p);
 const char* to_string(Recompute r);
+const char* to_string(RouterScore s);
+const char* to_string(TokenDispatcher d);
 // The inverses of to_string (Megatron's strings), failing with the valid names.
 Normalization parse_normalization(const std::string& s);  // "LayerNorm" | "RMSNorm"
 Activation parse_activation(const std::string& s);        // "gelu_tanh" | "swiglu"
 Positions parse_positions(const std::string& s);          // "learned_absolute" | "rope"
 Recompute parse_recompute(const std::string& s);          // "none" | "selective" | "full"
+RouterScore parse_router_score(const std::string& s);     // "softmax" | "sigmoid"
+TokenDispatcher parse_token_dispatcher(const std::string& s);  // "alltoall" | "allgather"
 
 }  // namespace megatorch::transformer

@@ -19,4 +19,8 @@ using RecomputeFn = std::function<torch::autograd::variable_list(const torch::au
 torch::autograd::variable_list recompute(const RecomputeFn& fn, const torch::autograd::variable_list& inputs,
                                          tp::RngTracker* tracker = nullptr);
 
+// Whether this thread is inside a backward replay of recompute(): a layer that counts
+// what its forward saw (MoE's routing statistics) counts the first run only.
+bool recompute_replaying();
+
 }  // namespace megatorch::transformer

@@ -1,10 +1,13 @@
 #pragma once
 // Pre-norm transformer layer: x + dropout(attn(norm(x))), then + dropout(mlp(norm(.))).
+// The MLP is a mixture of experts (moe::MoELayer, registered as "mlp" too) on the layers
+// config.is_moe_layer names.
 // With recompute = full the whole layer is replayed in backward from its input.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "megatorch/moe/moe_layer.h"
 #include "megatorch/transformer/attention.h"
 #include "megatorch/transformer/mlp.h"
 #include "megatorch/transformer/norm.h"
@@ -36,9 +39,12 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
   Norm input_norm{nullptr};
   ParallelAttention attention{nullptr};
   Norm post_attention_norm{nullptr};
-  ParallelMLP mlp{nullptr};
+  ParallelMLP mlp{nullptr};   // dense layers
+  moe::MoELayer moe{nullptr};  // MoE layers
 
  private:
+  // The MLP block on the normalised h, and the bias dropout_add adds (dense: fc2's).
+  std::pair<at::Tensor, at::Tensor> mlp_block(const at::Tensor& normed);
   at::Tensor layer(const at::Tensor& x, const at::Tensor& rope_freqs);
   // residual + dropout(x + bias) (bias may be undefined); one kernel with fused_kernels.
   at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual);

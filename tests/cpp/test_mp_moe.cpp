@@ -1,0 +1,211 @@
+// Expert parallelism: an MoE layer and a whole GPT at EP sizes > 1 (alone, over DP, folded
+// onto TP with SP, inside pipeline stages) give the outputs, loss and every gradient of
+// one rank holding every expert (1e-5, fp32), with both token dispatchers; the dispatch
+// moves exactly the routed rows (all-to-all) or every token (all-gather).
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include "gpt_test_util.h"
+#include "megatorch/moe/moe_layer.h"
+#include "mp_util.h"
+
+using megatorch::comm::CommOp;
+using megatorch::comm::Group;
+using megatorch::models::GPTModel;
+using megatorch::models::GPTModelOptions;
+using megatorch::parallel::GroupKind;
+using megatorch::parallel::ParallelState;
+using megatorch::parallel::ParallelStateOptions;
+using megatorch::transformer::TokenDispatcher;
+using megatorch::transformer::TransformerConfig;
+namespace moe = megatorch::moe;
+namespace pipeline = megatorch::pipeline;
+
+namespace {
+
+std::unique_ptr<ParallelState> moe_state(int64_t tp, int64_t pp, int64_t ep, const std::string& name) {
+  return std::make_unique<ParallelState>(
+      ParallelStateOptions(tp, pp).expert_model_parallel_size(ep).name(name).device("cpu"));
+}
+
+at::Tensor randn(std::vector<int64_t> shape, int64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+// Rows [ep_rank E/ep, (ep_rank + 1) E/ep) of a whole-model expert tensor.
+at::Tensor local_experts(const at::Tensor& full, int64_t ep_rank, int64_t ep_size) {
+  const int64_t n = full.size(0) / ep_size;
+  return full.narrow(0, ep_rank * n, n);
+}
+
+const char* name_of(TokenDispatcher d) { return megatorch::transformer::to_string(d); }
+
+}  // namespace
+
+TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exactly the routed rows", "[mp][moe]") {
+  const int64_t world = mp::world_size();
+  auto st = moe_state(1, 1, world, "moe_layer");
+  const std::string ep = st->group_name(GroupKind::kExpert);
+  Group epg(ep), worldg(*st, GroupKind::kWorld);
+  REQUIRE(epg.size() == world);
+  for (TokenDispatcher type : {TokenDispatcher::kAllToAll, TokenDispatcher::kAllGather}) {
+    for (double cf : {0.0, 0.75}) {
+      INFO(name_of(type) << " capacity factor " << cf);
+      const auto base = TransformerConfig()
+                            .hidden_size(16)
+                            .num_attention_heads(2)
+                            .num_experts(2 * world)
+                            .moe_router_topk(2)
+                            .moe_ffn_hidden_size(12)
+                            .moe_aux_loss_coeff(0.01)
+                            .moe_z_loss_coeff(0.001)
+                            .moe_expert_capacity_factor(cf)
+                            .moe_token_dispatcher_type(type)
+                            .init_std(0.3)
+                            .seed(5);
+      moe::MoELayer ref{moe::MoELayerOptions(base)};
+      moe::MoELayer layer{moe::MoELayerOptions(TransformerConfig(base).expert_parallel_group(ep))};
+      const int64_t h = 16, t = 10, e = base.num_experts(), local = e / world;
+      const at::Tensor x = randn({5, 2, h}, 40 + st->rank()), g = randn({5, 2, h}, 90 + st->rank());
+      auto xr = x.clone().requires_grad_(), xd = x.clone().requires_grad_();
+      epg.reset_stats();
+      const at::Tensor out = layer->forward(xd);
+      const auto forward_stats = epg.stats();
+      const at::Tensor want = ref->forward(xr);
+      CHECK(torch::allclose(out, want, 1e-5, 1e-6));
+      // The rows each rank's experts process, from every rank's routing (the reference's).
+      const auto routing = ref->router->forward(x.reshape({t, h}));
+      const at::Tensor rows = worldg.all_gather(routing.selection.sum(1), 0).reshape({world, e});  // [src, expert]
+      const int64_t me = st->rank();
+      const int64_t sent = rows[me].sum().item<int64_t>() - rows[me].narrow(0, me * local, local).sum().item<int64_t>();
+      const int64_t received =
+          rows.narrow(1, me * local, local).sum().item<int64_t>() - rows[me].narrow(0, me * local, local).sum().item<int64_t>();
+      out.backward(g);
+      want.backward(g);
+      const auto all_stats = epg.stats();
+      const int64_t row_bytes = h * 4;
+      if (type == TokenDispatcher::kAllToAll) {
+        // Out: my rows for remote experts; back: the outputs of the rows I received.
+        CHECK(forward_stats[CommOp::kAllToAll].bytes == (sent + received) * row_bytes);
+        CHECK(forward_stats[CommOp::kAllToAll].calls == 2);
+        CHECK(all_stats[CommOp::kAllToAll].bytes == 2 * (sent + received) * row_bytes);
+      } else {
+        // Tokens, router weights (fp32) and selections (bytes) gathered; outputs reduce-scattered.
+        CHECK(forward_stats[CommOp::kAllGather].bytes == t * h * 4 + t * e * 4 + t * e);
+        CHECK(forward_stats[CommOp::kReduceScatter].bytes == world * t * h * 4);
+        CHECK(forward_stats[CommOp::kAllToAll].calls == 0);
+      }
+      CHECK(torch::allclose(xd.grad(), xr.grad(), 1e-5, 1e-6));
+      CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
+      // An expert's gradient gathers every rank's tokens routed to it.
+      for (const auto& p : layer->experts->named_parameters()) {
+        at::Tensor full = ref->experts->named_parameters()[p.key()].grad().clone();
+        worldg.all_reduce(full);
+        INFO(p.key());
+        CHECK(torch::allclose(p.value().grad(), local_experts(full, me, world), 1e-5, 1e-6));
+      }
+      CHECK(layer->stats().dropped.item<int64_t>() == ref->stats().dropped.item<int64_t>());
+    }
+  }
+}
+
+namespace {
+
+struct EpLayout {
+  int64_t tp, pp, ep;
+};
+
+std::string describe(const EpLayout& l) {
+  return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " ep " + std::to_string(l.ep);
+}
+
+std::vector<pipeline::MicroBatch> micro_batches(const TransformerConfig& c, int64_t m, int64_t first) {
+  std::vector<pipeline::MicroBatch> mbs;
+  for (int64_t i = 0; i < m; ++i) {
+    auto d = gpt_test::batch_ids(2, c.seq_length(), c.vocab_size(), 500 + first + i);
+    mbs.push_back({d.narrow(1, 0, c.seq_length()), d.narrow(1, 1, c.seq_length())});
+  }
+  return mbs;
+}
+
+}  // namespace
+
+TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2) equals EP 1", "[mp][moe]") {
+  const int64_t world = mp::world_size();
+  std::vector<EpLayout> layouts{{1, 1, world}};
+  if (world == 4) {
+    layouts.push_back({1, 1, 2});  // two expert-data-parallel replicas of each expert
+    layouts.push_back({2, 1, 2});  // EP folded onto TP: each TP rank routes its SP share
+    layouts.push_back({2, 1, 4});  // EP over TP x DP
+    layouts.push_back({1, 2, 2});  // EP inside each pipeline stage
+  }
+  const std::vector<std::pair<std::string, TransformerConfig>> variants{
+      {"softmax-gelu-aux-z", gpt_test::base_config().num_experts(4).moe_ffn_hidden_size(24)},
+      {"sigmoid-swiglu-shared-freq2", gpt_test::variants()[1].config.num_experts(8).moe_router_topk(3)
+                                          .moe_router_score_function(megatorch::transformer::RouterScore::kSigmoid)
+                                          .moe_router_norm_topk_prob(true)
+                                          .moe_router_topk_scaling_factor(2.0)
+                                          .moe_shared_expert_intermediate_size(32)
+                                          .moe_layer_freq(2)},
+  };
+  int64_t cases = 0;
+  for (const auto& layout : layouts) {
+    auto st = moe_state(layout.tp, layout.pp, layout.ep, "moegpt_" + std::to_string(cases));
+    Group tpg(*st, GroupKind::kTensor), dpg(*st, GroupKind::kData), edpg(*st, GroupKind::kExpertData);
+    const int64_t dp = dpg.size(), ep_rank = st->ep_rank();
+    for (const auto& [vname, vconfig] : variants) {
+      if (vconfig.num_experts() % layout.ep != 0) continue;  // at world sizes other than 2 and 4
+      for (TokenDispatcher type : {TokenDispatcher::kAllToAll, TokenDispatcher::kAllGather}) {
+        ++cases;
+        INFO(vname << " " << describe(layout) << " " << name_of(type));
+        const auto ref_config = TransformerConfig(vconfig)
+                                    .num_layers(4)
+                                    .seq_length(8)
+                                    .moe_aux_loss_coeff(0.01)
+                                    .moe_z_loss_coeff(0.001)
+                                    .moe_token_dispatcher_type(type);
+        const auto config = TransformerConfig(ref_config)
+                                .sequence_parallel(layout.tp > 1)
+                                .expert_parallel_group(st->group_name(GroupKind::kExpert));
+        const int64_t m = 2 * layout.pp;
+        // Reference: every DP rank's micro-batches on one rank, every expert.
+        GPTModel full{GPTModelOptions(ref_config)};
+        moe::set_aux_loss_backward_scale(*full, 1.0 / static_cast<double>(dp * m));
+        double ref_loss = 0;
+        for (int64_t d = 0; d < dp; ++d) {
+          for (const auto& mb : micro_batches(ref_config, m, d * m)) {
+            auto l = full->loss(mb.ids, mb.labels) / static_cast<double>(dp * m);
+            l.backward();
+            ref_loss += l.item<double>();
+          }
+        }
+        pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config).tp_group(tpg.name()).pp_group(
+            layout.pp > 1 ? st->group_name(GroupKind::kPipeline) : ""));
+        auto result = pipeline::run_pipeline_step(stage, micro_batches(ref_config, m, st->dp_rank() * m),
+                                                  pipeline::ExecutorOptions());
+        stage->allreduce_tied_grads();
+        stage->allreduce_sequence_parallel_grads();
+        if (st->pp_rank() == layout.pp - 1) {
+          at::Tensor loss = result.loss.to(at::kDouble).reshape({1});
+          dpg.all_reduce(loss);
+          CHECK(loss.item<double>() / static_cast<double>(dp) == Approx(ref_loss).epsilon(1e-5));
+        }
+        // The optimizer's reductions: dense gradients averaged over DP; an expert's summed
+        // over its expert-DP replicas (which hold other tokens) and divided by DP.
+        gpt_test::for_each_stage_gradient(
+            stage, full, config, tpg.rank(), tpg.size(),
+            [&](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
+              at::Tensor grad = p.grad().clone();
+              const bool expert = name.find(".experts.") != std::string::npos;
+              (expert ? edpg : dpg).all_reduce(grad);
+              grad.div_(static_cast<double>(dp));
+              const at::Tensor expected = expert ? local_experts(want, ep_rank, layout.ep) : want;
+              INFO(key << " (" << name << ") max diff " << (grad - expected).abs().max().item<double>());
+              CHECK(torch::allclose(grad, expected, 1e-5, 1e-6));
+            });
+      }
+    }
+  }
+  CHECK(cases > 0);
+}
