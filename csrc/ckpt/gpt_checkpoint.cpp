@@ -58,11 +58,18 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   // With RoPE no parameter has the max positions' size (so the shape JSON says 0), but
   // they are the model's own (an imported one's) and go back into an exported HF config.
   j["max_positions"] = c.max_positions();
+  if (c.num_experts() > 0) {  // how tokens are routed: not a shape, but the model's behaviour
+    j["moe_router_score_function"] = transformer::to_string(c.moe_router_score_function());
+    j["moe_router_pre_softmax"] = c.moe_router_pre_softmax();
+    j["moe_router_norm_topk_prob"] = c.moe_router_norm_topk_prob();
+    j["moe_router_topk_scaling_factor"] = c.moe_router_topk_scaling_factor();
+    j["moe_router_enable_expert_bias"] = c.moe_router_enable_expert_bias();
+  }
   return j;
 }
 
 nlohmann::json gpt_shape_json(const TransformerConfig& c) {
-  return {{"hidden_size", c.hidden_size()},
+  nlohmann::json j{{"hidden_size", c.hidden_size()},
           {"num_attention_heads", c.num_attention_heads()},
           {"num_query_groups", c.query_groups()},
           {"ffn_hidden_size", c.ffn()},
@@ -75,6 +82,16 @@ nlohmann::json gpt_shape_json(const TransformerConfig& c) {
           {"add_bias_linear", c.add_bias_linear()},
           {"add_qkv_bias", c.add_qkv_bias()},
           {"tie_embeddings", c.tie_embeddings()}};
+  // Only MoE models carry these, so dense checkpoints compare as they always did.
+  if (c.num_experts() > 0) {
+    j["num_experts"] = c.num_experts();
+    j["moe_router_topk"] = c.moe_router_topk();
+    j["moe_ffn_hidden_size"] = c.moe_ffn();
+    j["moe_layer_freq"] = c.moe_layer_freq();
+    j["moe_first_k_dense"] = c.moe_first_k_dense();
+    j["moe_shared_expert_intermediate_size"] = c.moe_shared_expert_intermediate_size();
+  }
+  return j;
 }
 
 TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfig c) {
@@ -115,6 +132,19 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
     c.add_qkv_bias(j.value("add_qkv_bias", false));
     c.sliding_window(j.contains("sliding_window") ? integer("sliding_window") : 0);
     c.causal_attention(j.value("causal_attention", true));  // absent: written when every model was causal
+    if (j.contains("num_experts")) {
+      c.num_experts(integer("num_experts"))
+          .moe_router_topk(integer("moe_router_topk"))
+          .moe_ffn_hidden_size(integer("moe_ffn_hidden_size"))
+          .moe_layer_freq(integer("moe_layer_freq"))
+          .moe_first_k_dense(integer("moe_first_k_dense"))
+          .moe_shared_expert_intermediate_size(integer("moe_shared_expert_intermediate_size"));
+      c.moe_router_score_function(transformer::parse_router_score(j.value("moe_router_score_function", "softmax")))
+          .moe_router_pre_softmax(j.value("moe_router_pre_softmax", false))
+          .moe_router_norm_topk_prob(j.value("moe_router_norm_topk_prob", false))
+          .moe_router_topk_scaling_factor(j.value("moe_router_topk_scaling_factor", 1.0))
+          .moe_router_enable_expert_bias(j.value("moe_router_enable_expert_bias", false));
+    }
   } catch (const nlohmann::json::exception& e) {
     MEGATORCH_FAIL("checkpoint model_config ", j.dump(), " is not a GPT configuration (", e.what(), ")");
   }

@@ -159,9 +159,11 @@ void DistributedOptimizer::apply_step(double grad_scale, double grad_norm) {
 
 bool DistributedOptimizer::step() { return step_together({this}); }
 
-bool step_together(const std::vector<DistributedOptimizer*>& optimizers) {
-  // Everything checked before the first collective: a refusal on one rank is a refusal
-  // on all (the options are the same everywhere), so no rank is left waiting.
+namespace {
+
+// Everything checked before the first collective: a refusal on one rank is a refusal on
+// all (the options are the same everywhere), so no rank is left waiting.
+void check_together(const std::vector<DistributedOptimizer*>& optimizers) {
   MEGATORCH_CHECK(!optimizers.empty(), "step_together: expected at least one DistributedOptimizer, got none");
   for (size_t i = 0; i < optimizers.size(); ++i) {
     MEGATORCH_CHECK(optimizers[i] != nullptr, "step_together: optimizer ", i, " is null; pass the optimizers to step");
@@ -183,24 +185,35 @@ bool step_together(const std::vector<DistributedOptimizer*>& optimizers) {
                     "clip_grad (", first.clip_grad(), "); optimizer ", i, " has ", o.clip_grad(),
                     ". Set the same clip_grad on all of them (the norm they clip is their joint one)");
   }
-  bool overflow = false;
-  double sum_of_squares = 0.0;  // disjoint parameters: the squared norms add
+}
+
+}  // namespace
+
+bool step_together(const std::vector<DistributedOptimizer*>& optimizers) {
+  check_together(optimizers);
+  GradStats total;
   for (auto* opt : optimizers) {
     const GradStats s = opt->prepare_step();
-    overflow = overflow || s.overflow;
-    sum_of_squares += s.sum_of_squares;
+    total.overflow = total.overflow || s.overflow;
+    total.sum_of_squares += s.sum_of_squares;  // disjoint parameters: the squared norms add
   }
+  return finish_step_together(optimizers, total);
+}
+
+bool finish_step_together(const std::vector<DistributedOptimizer*>& optimizers, const GradStats& total) {
+  check_together(optimizers);
+  const auto& first = optimizers.front()->options();
   double grad_scale = 1.0;  // unscale and clip in one multiply
   if (const auto& scaler = first.loss_scaler()) {
     const double used = scaler->scale();  // what this step's loss was multiplied by
     // A skipped step leaves parameters and optimizer state untouched, bit for bit.
-    if (scaler->update(overflow)) {
+    if (scaler->update(total.overflow)) {
       for (auto* opt : optimizers) opt->skip_step();
       return false;
     }
     grad_scale = 1.0 / used;
   }
-  const double grad_norm = std::sqrt(sum_of_squares) * grad_scale;
+  const double grad_norm = std::sqrt(total.sum_of_squares) * grad_scale;
   if (first.clip_grad() > 0) {
     const double coef = first.clip_grad() / (grad_norm + 1e-6);
     if (coef < 1.0) grad_scale *= coef;

@@ -37,6 +37,10 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--cp-comm-type", a.cp_comm_type,
                  "how attention crosses the CP ranks: p2p (ring attention, causal load balancing) or a2a (Ulysses)")
       ->check(CLI::IsMember({"p2p", "a2a"}));
+  app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size,
+                 "EP size: ranks the experts are spread over, inside tp x cp x dp (Megatron's parallel folding)");
+  app.add_option("--expert-tensor-parallel-size", a.expert_tensor_parallel_size,
+                 "TP size inside each expert (only 1: every expert whole on its rank)");
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
                  "layers per virtual stage (interleaved 1F1B)");
   app.add_flag("--sequence-parallel", a.sequence_parallel, "sequence parallelism (needs TP > 1)");
@@ -85,6 +89,30 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--hidden-dropout", a.hidden_dropout);
   app.add_option("--attention-dropout", a.attention_dropout);
   app.add_option("--recompute-granularity", a.recompute_granularity)->check(CLI::IsMember({"", "selective", "full"}));
+  // Mixture of experts
+  app.add_option("--num-experts", a.num_experts, "experts per MoE layer; 0: a dense model");
+  app.add_option("--moe-router-topk", a.moe_router_topk, "experts per token");
+  app.add_option("--moe-ffn-hidden-size", a.moe_ffn_hidden_size, "each expert's hidden size; 0: --ffn-hidden-size");
+  app.add_option("--moe-layer-freq", a.moe_layer_freq, "every N-th layer (0, N, 2N, ...) is an MoE layer");
+  app.add_option("--moe-first-k-dense", a.moe_first_k_dense, "the first K layers stay dense (DeepSeek)");
+  app.add_option("--moe-shared-expert-intermediate-size", a.moe_shared_expert_intermediate_size,
+                 "hidden size of the shared expert every token passes through; 0: none");
+  app.add_option("--moe-router-score-function", a.moe_router_score_function)->check(CLI::IsMember({"softmax", "sigmoid"}));
+  app.add_flag("--moe-router-pre-softmax", a.moe_router_pre_softmax,
+               "softmax over all experts before the top-k (Mixtral); default: top-k logits, then softmax");
+  app.add_flag("--moe-router-norm-topk-prob", a.moe_router_norm_topk_prob, "renormalise the k weights to sum to 1");
+  app.add_option("--moe-router-topk-scaling-factor", a.moe_router_topk_scaling_factor, "multiplies the k weights");
+  app.add_option("--moe-aux-loss-coeff", a.moe_aux_loss_coeff, "Switch load-balancing loss coefficient");
+  app.add_option("--moe-z-loss-coeff", a.moe_z_loss_coeff, "router z-loss coefficient");
+  app.add_flag("--moe-router-enable-expert-bias", a.moe_router_enable_expert_bias,
+               "auxiliary-loss-free balancing (DeepSeek-V3): a bias on the choice, moved after each step");
+  app.add_option("--moe-router-bias-update-rate", a.moe_router_bias_update_rate);
+  app.add_option("--moe-expert-capacity-factor", a.moe_expert_capacity_factor, "<= 0: dropless");
+  app.add_flag("--moe-pad-expert-input-to-capacity", a.moe_pad_expert_input_to_capacity);
+  app.add_option("--moe-token-dispatcher-type", a.moe_token_dispatcher_type)
+      ->check(CLI::IsMember({"alltoall", "allgather"}));
+  app.add_flag("--moe-grouped-gemm,!--no-moe-grouped-gemm", a.moe_grouped_gemm,
+               "one grouped GEMM over the local experts (default); --no-moe-grouped-gemm: one GEMM per expert");
   // Batches
   app.add_option("--micro-batch-size", a.micro_batch_size);
   app.add_option("--global-batch-size", a.global_batch_size, "0: micro-batch-size x DP");
@@ -195,6 +223,24 @@ void apply_checkpoint_args(TrainArguments& a, const nlohmann::json& model_config
   }
   a.sliding_window = c.sliding_window();
   if (!a.given.count("seq-length")) a.seq_length = c.seq_length();
+  // The experts' shapes and routing (a dense checkpoint says 0 experts).
+  take_from_checkpoint(a, "num-experts", a.num_experts, c.num_experts());
+  if (c.num_experts() > 0) {
+    take_from_checkpoint(a, "moe-router-topk", a.moe_router_topk, c.moe_router_topk());
+    take_from_checkpoint(a, "moe-ffn-hidden-size", a.moe_ffn_hidden_size, c.moe_ffn());
+    take_from_checkpoint(a, "moe-layer-freq", a.moe_layer_freq, c.moe_layer_freq());
+    take_from_checkpoint(a, "moe-first-k-dense", a.moe_first_k_dense, c.moe_first_k_dense());
+    take_from_checkpoint(a, "moe-shared-expert-intermediate-size", a.moe_shared_expert_intermediate_size,
+                         c.moe_shared_expert_intermediate_size());
+    std::string score = transformer::to_string(c.moe_router_score_function());
+    bool pre = c.moe_router_pre_softmax(), norm = c.moe_router_norm_topk_prob(), bias = c.moe_router_enable_expert_bias();
+    take_from_checkpoint(a, "moe-router-score-function", a.moe_router_score_function, score);
+    take_from_checkpoint(a, "moe-router-pre-softmax", a.moe_router_pre_softmax, pre);
+    take_from_checkpoint(a, "moe-router-norm-topk-prob", a.moe_router_norm_topk_prob, norm);
+    take_from_checkpoint(a, "moe-router-topk-scaling-factor", a.moe_router_topk_scaling_factor,
+                         c.moe_router_topk_scaling_factor());
+    take_from_checkpoint(a, "moe-router-enable-expert-bias", a.moe_router_enable_expert_bias, bias);
+  }
 }
 
 int64_t resolve_vocab_size(TrainArguments& a) {
@@ -246,6 +292,8 @@ void check_each_flag(const TrainArguments& a) {
   check_at_least("tensor-model-parallel-size", a.tensor_model_parallel_size, 1);
   check_at_least("pipeline-model-parallel-size", a.pipeline_model_parallel_size, 1);
   check_at_least("context-parallel-size", a.context_parallel_size, 1);
+  check_at_least("expert-model-parallel-size", a.expert_model_parallel_size, 1);
+  check_at_least("expert-tensor-parallel-size", a.expert_tensor_parallel_size, 1);
   check_at_least("num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage, 0);
   check_at_least("num-layers", a.num_layers, 1);
   check_at_least("hidden-size", a.hidden_size, 1);
@@ -360,8 +408,15 @@ void validate(TrainArguments& a, int64_t world) {
   MEGATORCH_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters < a.lr_decay_iters,
                   "gpt_pretrain: expected 0 <= --lr-warmup-iters < --lr-decay-iters (or --train-iters), got ",
                   a.lr_warmup_iters, " and ", a.lr_decay_iters);
+  const int64_t ep = a.expert_model_parallel_size;
+  MEGATORCH_CHECK(a.expert_tensor_parallel_size == 1, "gpt_pretrain: --expert-tensor-parallel-size ",
+                  a.expert_tensor_parallel_size, " is not supported: megatorch keeps every expert whole on its rank; "
+                  "spread experts with --expert-model-parallel-size instead");
+  MEGATORCH_CHECK(ep <= tp * cp * dp && (tp * cp * dp) % ep == 0, "gpt_pretrain: expected --expert-model-parallel-size (",
+                  ep, ") to divide the ranks of a pipeline stage, tensor x context x data parallel = ", tp, " x ", cp,
+                  " x ", dp, " = ", tp * cp * dp, "; the experts are spread inside them");
   // The model's own checks (heads, hidden, ffn, seq divisible by tp...) with the same clarity.
-  model_config(a).validate(tp, cp);
+  model_config(a).validate(tp, cp, ep);
 }
 
 transformer::TransformerConfig model_config(const TrainArguments& a) {
@@ -391,6 +446,24 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .sequence_parallel(a.sequence_parallel)
       .cp_comm_type(parse_cp_comm_type(a.cp_comm_type))
       .recompute(parse_recompute(a.recompute_granularity.empty() ? "none" : a.recompute_granularity))
+      .num_experts(a.num_experts)
+      .moe_router_topk(a.moe_router_topk)
+      .moe_ffn_hidden_size(a.moe_ffn_hidden_size)
+      .moe_layer_freq(a.moe_layer_freq)
+      .moe_first_k_dense(a.moe_first_k_dense)
+      .moe_shared_expert_intermediate_size(a.moe_shared_expert_intermediate_size)
+      .moe_router_score_function(parse_router_score(a.moe_router_score_function))
+      .moe_router_pre_softmax(a.moe_router_pre_softmax)
+      .moe_router_norm_topk_prob(a.moe_router_norm_topk_prob)
+      .moe_router_topk_scaling_factor(a.moe_router_topk_scaling_factor)
+      .moe_aux_loss_coeff(a.moe_aux_loss_coeff)
+      .moe_z_loss_coeff(a.moe_z_loss_coeff)
+      .moe_router_enable_expert_bias(a.moe_router_enable_expert_bias)
+      .moe_router_bias_update_rate(a.moe_router_bias_update_rate)
+      .moe_expert_capacity_factor(a.moe_expert_capacity_factor)
+      .moe_pad_expert_input_to_capacity(a.moe_pad_expert_input_to_capacity)
+      .moe_token_dispatcher_type(parse_token_dispatcher(a.moe_token_dispatcher_type))
+      .moe_grouped_gemm(a.moe_grouped_gemm)
       .params_dtype(a.bf16 ? c10::kBFloat16 : a.fp16 ? c10::kHalf : c10::kFloat)
       .seed(a.seed);
   return c;

@@ -28,6 +28,8 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
                .tensor_parallel(a.tensor_model_parallel_size)
                .pipeline_parallel(a.pipeline_model_parallel_size)
                .context_parallel(a.context_parallel_size)
+               .expert_parallel(a.expert_model_parallel_size)
+               .expert_tensor_parallel(a.expert_tensor_parallel_size)
                .virtual_chunks(a.virtual_chunks)
                .schedule(a.schedule)
                .zero_stage(a.zero_stage)
@@ -108,6 +110,7 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   loop_ = std::make_unique<TrainingLoop>(loop_options(args_));
   auto config = model_config(args_);
   config.device(loop_->device()).context_parallel_group(loop_->cp_group());
+  if (args_.expert_model_parallel_size > 1) config.expert_parallel_group(loop_->ep_group());
   stage_ = pipeline::PipelineStage(pipeline::PipelineStageOptions(config)
                                        .tp_group(loop_->tp_group())
                                        .pp_group(loop_->pp_group())
@@ -139,9 +142,14 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
     const std::string cp = args_.context_parallel_size > 1
                                ? " x cp " + std::to_string(args_.context_parallel_size) + " (" + args_.cp_comm_type + ")"
                                : "";
-    std::printf("[megatorch] gpt_pretrain: world %ld = tp %ld%s x pp %ld (v %ld) x dp %ld, ZeRO-%ld, %s, %ld parameters\n",
+    const std::string experts =
+        args_.num_experts > 0 ? ", " + std::to_string(args_.num_experts) + " experts (top-" +
+                                    std::to_string(args_.moe_router_topk) + ") over ep " +
+                                    std::to_string(args_.expert_model_parallel_size) + ", " + args_.moe_token_dispatcher_type
+                              : "";
+    std::printf("[megatorch] gpt_pretrain: world %ld = tp %ld%s x pp %ld (v %ld) x dp %ld%s, ZeRO-%ld, %s, %ld parameters\n",
                 args_.world_size, args_.tensor_model_parallel_size, cp.c_str(), args_.pipeline_model_parallel_size,
-                args_.virtual_chunks, args_.data_parallel_size, args_.zero_stage,
+                args_.virtual_chunks, args_.data_parallel_size, experts.c_str(), args_.zero_stage,
                 args_.bf16 ? "bf16" : args_.fp16 ? "fp16" : "fp32", loop_->num_parameters());
     std::printf("[megatorch] global batch %ld = micro-batch %ld x %ld micro-batches x dp %ld; train samples %ld, "
                 "valid %ld\n",

@@ -17,7 +17,9 @@
 #include "megatorch/ckpt/module_checkpoint.h"
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/moe/moe_layer.h"
 #include "megatorch/pipeline/timeline_svg.h"
+#include "megatorch/train/expert_parameters.h"
 #include "megatorch/train/device_memory.h"
 
 namespace megatorch::train {
@@ -124,7 +126,20 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   }
   ParameterGroupingOptions g = grouping;
   if (g.tp_group().empty()) g.tp_group(tp_group());
-  params_ = stage_parameters(*stage_, g);
+  // Experts apart: their own optimizer over the expert-DP group (expert_parameters.h).
+  auto split = split_expert_parameters(stage_parameters(*stage_, g), *stage_);
+  params_ = std::move(split.dense);
+  moe_shape_ = moe::moe_shape(stage_->stage_module(), state_->group_name(GroupKind::kWorld));
+  for (auto* layer : moe::moe_layers(stage_->stage_module())) {
+    MEGATORCH_CHECK(layer->experts->ep.size == state_->ep_size(), "TrainingLoop::set_model: the loop runs "
+                    "expert-parallel size ", state_->ep_size(), " but MoE layer ", layer->options.layer_number(),
+                    " spreads its experts over ", layer->experts->ep.size, " ranks; build the model on a config whose "
+                    "expert_parallel_group is loop.ep_group()");
+  }
+  // Decided from the model's shape, the same on every rank, before any optimizer exists.
+  MEGATORCH_CHECK(moe_shape_.second == 0 || o.zero_stage() <= 2, "TrainingLoop: ZeRO-3 does not shard expert ",
+                  "parameters; use --zero-stage 1 or 2 with experts (both dense and expert optimizer states are "
+                  "sharded from stage 1)");
   // Ties the optimizer cannot sum (several copies on one rank) are summed on .grad after
   // the schedule, so there the reduction must wait for them.
   optimizer_sums_ties_ = optimizer_sums_ties(*stage_);
@@ -132,15 +147,7 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   if (state_->pp_size() > 1) model_groups.push_back(pp_group());
   optimizer_ = std::make_unique<optim::DistributedOptimizer>(
       params_.units, grad_group(),
-      optim::DistributedOptimizerOptions()
-          .zero_stage(o.zero_stage())
-          .lr(o.lr())
-          .beta1(o.adam_beta1())
-          .beta2(o.adam_beta2())
-          .eps(o.adam_eps())
-          .weight_decay(o.weight_decay())
-          .clip_grad(o.clip_grad())
-          .loss_scaler(scaler_)
+      optimizer_options()
           .model_parallel_groups(model_groups)
           // SP's partial sums and two-copy ties are added by the optimizer after its DP
           // reduction (ParamInfo::grad_sum_group), so the reduction overlaps backward.
@@ -149,12 +156,35 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
           .overlap_param_gather(true),
       params_.info);
   attach_stage_unit_hooks(*stage_, params_, *optimizer_);
+  if (!split.experts.units.empty()) {
+    expert_params_ = std::move(split.experts);
+    // Each expert is on one EP rank: the norm spans EP (and PP, added in step_optimizers).
+    std::vector<std::string> expert_groups;
+    if (state_->ep_size() > 1) expert_groups.push_back(ep_group());
+    const int64_t data_replicas = comm::Group(grad_group()).size();
+    expert_optimizer_ = std::make_unique<optim::DistributedOptimizer>(
+        expert_params_.units, edp_group(),
+        optimizer_options()
+            .model_parallel_groups(expert_groups)
+            // Expert-DP ranks hold other tokens (other DP replicas, other TP/CP shares of
+            // the same sequences): their gradients add, then average over DP x CP.
+            .grad_average_over(data_replicas)
+            .overlap_param_gather(false),
+        expert_params_.info);
+  }
   // The whole model's size, each parameter once (PaLM's FLOPs count uses it).
   at::Tensor count = at::zeros({1}, at::kDouble);
   for (size_t i = 0; i < params_.info.size(); ++i) {
     if (params_.info[i].counted_in_norm) count += static_cast<double>(optimizer_->parameters()[i].numel());
   }
   comm::Group(tp_group()).all_reduce(count);
+  // Experts once per EP rank, whatever TP says (they are whole on their rank).
+  at::Tensor experts = at::zeros({1}, at::kDouble);
+  if (expert_optimizer_) {
+    for (const auto& p : expert_optimizer_->parameters()) experts += static_cast<double>(p.numel());
+  }
+  comm::Group(ep_group()).all_reduce(experts);
+  count += experts;
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(count);
   num_parameters_ = static_cast<int64_t>(count.item<double>());
   if (!o.load().empty()) load_checkpoint();
@@ -173,6 +203,42 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
     MEGATORCH_CHECK(json_.is_open(), "cannot open the --log-json file '", o.log_json(), "': ", std::strerror(errno),
                     "; check that its directory exists and is writable");
   }
+}
+
+optim::DistributedOptimizerOptions TrainingLoop::optimizer_options() const {
+  const auto& o = options_;
+  return optim::DistributedOptimizerOptions()
+      .zero_stage(o.zero_stage())
+      .lr(o.lr())
+      .beta1(o.adam_beta1())
+      .beta2(o.adam_beta2())
+      .eps(o.adam_eps())
+      .weight_decay(o.weight_decay())
+      .clip_grad(o.clip_grad())
+      .loss_scaler(scaler_);
+}
+
+std::vector<optim::DistributedOptimizer*> TrainingLoop::optimizers() const {
+  std::vector<optim::DistributedOptimizer*> out{optimizer_.get()};
+  if (expert_optimizer_) out.push_back(expert_optimizer_.get());
+  return out;
+}
+
+bool TrainingLoop::step_optimizers() {
+  if (moe_shape_.second == 0) return optimizer_->step();
+  optim::GradStats total = optimizer_->prepare_step();
+  // The experts' part spans EP inside a stage; stages without experts add zeros to the
+  // sum over the pipeline, which no optimizer's groups span.
+  at::Tensor experts = at::zeros({2}, at::kDouble);
+  if (expert_optimizer_) {
+    const optim::GradStats e = expert_optimizer_->prepare_step();
+    experts[0] = e.overflow ? 1.0 : 0.0;
+    experts[1] = e.sum_of_squares;
+  }
+  if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(experts);
+  total.overflow = total.overflow || experts[0].item<double>() > 0;
+  total.sum_of_squares += experts[1].item<double>();
+  return optim::finish_step_together(optimizers(), total);
 }
 
 // Mean of the last stage's loss over DP, made known on every rank. Under CP each rank's
@@ -209,23 +275,31 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
   IterationStats s;
   s.iteration = iteration_ + 1;
   s.lr = lr_.at(lr_step_);
-  optimizer_->set_lr(s.lr);
+  const auto opts = optimizers();
+  for (auto* opt : opts) opt->set_lr(s.lr);
   stage_->stage_module().train();
-  optimizer_->zero_grad();
-  auto* opt = optimizer_.get();
+  for (auto* opt : opts) opt->zero_grad();
   const auto result = pipeline::run_pipeline_step(
       *stage_, mbs,
       pipeline::ExecutorOptions()
           .schedule(pipeline::parse_schedule_kind(options_.schedule()))
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
-          .before_backward([opt](bool last) { opt->set_grad_sync(last); }));
+          .before_backward([opts](bool last) {
+            for (auto* opt : opts) opt->set_grad_sync(last);
+          }));
   // (SP's partial sums and two-copy ties: the optimizer adds them.)
   if (!optimizer_sums_ties_) stage_->allreduce_tied_grads();
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  s.skipped = !optimizer_->step();
+  s.skipped = !step_optimizers();
   // A skipped step computed no norm worth reporting (Megatron logs none).
   s.grad_norm = s.skipped ? std::nan("") : optimizer_->grad_norm();
   if (!s.skipped) ++lr_step_;
+  if (moe_shape_.first > 0) {
+    s.moe = moe::reduce_step_stats(stage_->stage_module(), state_->group_name(GroupKind::kWorld), moe_shape_,
+                                   comm::Group(grad_group()).size());
+    // The biases move with the step's loads, as the weights with its gradients.
+    if (!s.skipped) moe::update_expert_biases(stage_->stage_module(), s.moe);
+  }
   s.loss = reduce_loss(result.loss);
   ++iteration_;
   s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -261,7 +335,10 @@ void TrainingLoop::log(const IterationStats& s, const std::map<std::string, int6
   const double tokens_per_s = static_cast<double>(gbs * options_.tokens_per_sample()) / s.seconds;
   const double flops_per_token = options_.flops_per_token() ? options_.flops_per_token()(num_parameters_) : 0.0;
   const double tflops = tokens_per_s * flops_per_token / static_cast<double>(state_->world_size()) / 1e12;
-  const auto mem = optimizer_->memory_stats();
+  auto mem = optimizer_->memory_stats();
+  if (expert_optimizer_) {
+    for (const auto& [k, v] : expert_optimizer_->memory_stats()) mem[k] += v;
+  }
   const int64_t rss = resident_bytes();
   const auto device_mem = device_memory_stats(state_->device());
   // The host's resident set on CPU; the allocator's peak on a GPU.
@@ -278,16 +355,17 @@ void TrainingLoop::log(const IterationStats& s, const std::map<std::string, int6
     for (const auto& [k, v] : device_mem) memory[k] = v;
     j["memory_bytes"] = memory;
     if (last_val_loss_ >= 0) j["val_loss"] = last_val_loss_;
+    if (!s.moe.empty()) j["moe"] = s.moe.to_json();
     write_log_json(j);
   }
   const int64_t iters = options_.train_iters();
   if (s.iteration % options_.log_interval() == 0 || s.iteration == iters) {
     std::printf("\r [%s] iteration %6ld/%6ld | consumed samples: %9ld | elapsed time per iteration (ms): %.1f | "
                 "learning rate: %.3E | %s: %.6E | loss scale: %.1f | grad norm: %.3f | skipped: %d | "
-                "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)\n",
+                "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)%s\n",
                 "megatorch", s.iteration, iters, s.iteration * gbs, s.seconds * 1e3, s.lr,
                 options_.loss_name().c_str(), s.loss, s.loss_scale, s.grad_norm, s.skipped ? 1 : 0, tokens_per_s,
-                tflops, human(shown).c_str(), human(mem.at("total_bytes")).c_str());
+                tflops, human(shown).c_str(), human(mem.at("total_bytes")).c_str(), s.moe.line().c_str());
   } else {
     std::printf("\r  iteration %ld/%ld  loss %.4f  %.0f ms ", s.iteration, iters, s.loss, s.seconds * 1e3);
   }
@@ -309,7 +387,8 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
     }
     // "dp": the gradient reduction's group (DP × CP under context parallelism).
     std::map<std::string, int64_t> comm_bytes{{"dp", comm::comm_stats(grad_group()).total().bytes}};
-    for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kPipeline, "pp"}, {GroupKind::kContext, "cp"}}) {
+    for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kPipeline, "pp"}, {GroupKind::kContext, "cp"},
+                             {GroupKind::kExpert, "ep"}, {GroupKind::kExpertData, "edp"}}) {
       comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
     }
     const bool eval_now = options_.eval_interval() > 0 && iteration_ % options_.eval_interval() == 0;
@@ -364,35 +443,59 @@ double TrainingLoop::evaluate(const BatchSource& source, int64_t iters) {
 // parameter's slice of it (a ZeRO range of its TP shard), so any layout loads any other.
 
 std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
-  // Replicas of a parameter (and ZeRO's shards of its state) span DP × CP.
+  // Replicas of a parameter (and ZeRO's shards of its state) span DP × CP; an expert's
+  // span expert-DP (its EP rank's copies).
   const int64_t dp_rank = comm::Group(grad_group()).rank();
+  const int64_t edp_rank = state_->edp_rank();
   // write flags from the model entries say who writes among TP ranks and tied copies.
   auto model = ckpt::stage_entries(*stage_, /*writer=*/true);
   std::vector<ckpt::ShardedEntry> out;
-  const auto& params = optimizer_->parameters();
-  std::vector<const ckpt::ShardedEntry*> of_param(params.size(), nullptr);
-  for (const auto& e : model) {
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (e.tensor.is_same(params[i])) of_param[i] = &e;
+  const auto is_expert = [this](const at::Tensor& t) {
+    if (!expert_optimizer_) return false;
+    for (const auto& p : expert_optimizer_->parameters()) {
+      if (p.is_same(t)) return true;
     }
-  }
-  const bool sharded_state = optimizer_->options().zero_stage() >= 1;
-  for (auto shard : optimizer_->param_state_shards()) {
-    const auto* e = of_param[shard.param];
-    MEGATORCH_CHECK(e != nullptr, "checkpoint: optimizer parameter ", shard.param, " has no checkpoint entry");
-    const std::string name = e->key.substr(e->key.find('/') + 1);
-    for (auto& [kind, t] : shard.tensors) {
-      ckpt::ShardedEntry o = *e;
-      o.key = "optim/" + kind + "/" + name;
-      o.begin = shard.begin;
-      o.end = shard.end;
-      o.tensor = t;
-      o.write = e->write && (sharded_state || dp_rank == 0);
-      out.push_back(std::move(o));
+    return false;
+  };
+  for (auto* opt : optimizers()) {
+    const bool experts = opt == expert_optimizer_.get();
+    const int64_t replica = experts ? edp_rank : dp_rank;
+    const auto& params = opt->parameters();
+    std::vector<const ckpt::ShardedEntry*> of_param(params.size(), nullptr);
+    for (const auto& e : model) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (e.tensor.is_same(params[i])) of_param[i] = &e;
+      }
+    }
+    const bool sharded_state = opt->options().zero_stage() >= 1;
+    for (auto shard : opt->param_state_shards()) {
+      const auto* e = of_param[shard.param];
+      MEGATORCH_CHECK(e != nullptr, "checkpoint: optimizer parameter ", shard.param, " has no checkpoint entry");
+      const std::string name = e->key.substr(e->key.find('/') + 1);
+      for (auto& [kind, t] : shard.tensors) {
+        ckpt::ShardedEntry o = *e;
+        o.key = "optim/" + kind + "/" + name;
+        o.begin = shard.begin;
+        o.end = shard.end;
+        o.tensor = t;
+        o.write = e->write && (sharded_state || replica == 0);
+        out.push_back(std::move(o));
+      }
     }
   }
   for (auto& e : model) {
-    e.write = e.write && dp_rank == 0;
+    e.write = e.write && (is_expert(e.tensor) ? edp_rank : dp_rank) == 0;
+    out.push_back(std::move(e));
+  }
+  // DeepSeek's expert biases: model state that is no parameter (replicated, like a norm's).
+  for (auto* layer : moe::moe_layers(stage_->stage_module())) {
+    const at::Tensor& bias = layer->router->expert_bias;
+    if (!bias.defined()) continue;
+    ckpt::ShardedEntry e;
+    e.key = "model/layers." + std::to_string(layer->options.layer_number()) + ".mlp.router.expert_bias";
+    e.spec = tp::ShardSpec{bias.sizes().vec(), -1, 0, 1, 1};
+    e.tensor = bias;
+    e.write = state_->tp_rank() == 0 && dp_rank == 0;
     out.push_back(std::move(e));
   }
   return out;
@@ -449,10 +552,12 @@ bool TrainingLoop::load_checkpoint() {
   const auto loaded = ckpt::load_checkpoint(
       o.load(), entries,
       ckpt::LoadOptions().iteration(o.load_iteration()).model_config(comparison).group(state_->group_name(GroupKind::kWorld)));
-  if (has_optimizer) {
-    optimizer_->copy_master_to_params();  // the fp32 masters are the exact values
-  } else {
-    optimizer_->copy_params_to_master();  // e.g. imported from HuggingFace
+  for (auto* opt : optimizers()) {
+    if (has_optimizer) {
+      opt->copy_master_to_params();  // the fp32 masters are the exact values
+    } else {
+      opt->copy_params_to_master();  // e.g. imported from HuggingFace
+    }
   }
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
   const auto& st = loaded.state.state;
@@ -461,7 +566,7 @@ bool TrainingLoop::load_checkpoint() {
     lr_step_ = st.value("lr_step", iteration_);
   }
   if (has_optimizer) {
-    optimizer_->set_step_count(st.value("optimizer_step", iteration_));
+    for (auto* opt : optimizers()) opt->set_step_count(st.value("optimizer_step", iteration_));
     if (scaler_ && st.contains("loss_scaler")) scaler_->load_state_dict(st.at("loss_scaler").get<std::map<std::string, double>>());
   }
   const auto& rank_state = loaded.state.rank_state;  // null unless the layout is the same

@@ -207,5 +207,9 @@ class DistributedOptimizer {
 // pointer (or all none) and the same clip_grad. Returns false when the step was skipped.
 // With one optimizer: exactly step().
 bool step_together(const std::vector<DistributedOptimizer*>& optimizers);
+// The second half of step_together, from their stats already combined by the caller:
+// for stats that need a reduction no optimizer's groups span (expert parameters, whose
+// optimizer exists only on pipeline stages holding experts, summed over the pipeline).
+bool finish_step_together(const std::vector<DistributedOptimizer*>& optimizers, const GradStats& total);
 
 }  // namespace megatorch::optim

@@ -24,6 +24,9 @@ struct TrainArguments {
   int64_t pipeline_model_parallel_size = 1;
   int64_t context_parallel_size = 1;  // ranks splitting each sequence (tp-cp-dp-pp order)
   std::string cp_comm_type = "p2p";   // p2p (ring attention) | a2a (Ulysses)
+  // Experts spread over this many ranks inside each stage's tp x cp x dp (parallel folding).
+  int64_t expert_model_parallel_size = 1;
+  int64_t expert_tensor_parallel_size = 1;  // experts split over TP: 1 only (whole experts per rank)
   int64_t num_layers_per_virtual_pipeline_stage = 0;  // 0: no interleaving
   bool sequence_parallel = false;
   std::string schedule = "1f1b";  // 1f1b | gpipe | interleaved
@@ -55,6 +58,25 @@ struct TrainArguments {
   double hidden_dropout = 0.0;
   double attention_dropout = 0.0;
   std::string recompute_granularity;  // "" | selective | full
+  // Mixture of experts (0 experts: dense); TransformerConfig's moe_* fields say what each does.
+  int64_t num_experts = 0;
+  int64_t moe_router_topk = 2;
+  int64_t moe_ffn_hidden_size = 0;
+  int64_t moe_layer_freq = 1;
+  int64_t moe_first_k_dense = 0;
+  int64_t moe_shared_expert_intermediate_size = 0;
+  std::string moe_router_score_function = "softmax";
+  bool moe_router_pre_softmax = false;
+  bool moe_router_norm_topk_prob = false;
+  double moe_router_topk_scaling_factor = 1.0;
+  double moe_aux_loss_coeff = 0.0;
+  double moe_z_loss_coeff = 0.0;
+  bool moe_router_enable_expert_bias = false;
+  double moe_router_bias_update_rate = 1e-3;
+  double moe_expert_capacity_factor = 0.0;
+  bool moe_pad_expert_input_to_capacity = false;
+  std::string moe_token_dispatcher_type = "alltoall";
+  bool moe_grouped_gemm = true;
   // Batches and iterations
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: micro_batch_size · dp

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "megatorch/ckpt/sharded_entry.h"
+#include "megatorch/moe/moe_stats.h"
 #include "megatorch/optim/distributed_optimizer.h"
 #include "megatorch/parallel/parallel_state.h"
 #include "megatorch/pipeline/executor.h"
@@ -48,6 +49,7 @@ struct IterationStats {
   double loss_scale = 1;
   bool skipped = false;
   double seconds = 0;
+  moe::MoEStepReport moe;  // per MoE layer: losses and tokens per expert (empty: no experts)
 };
 
 struct TrainingLoopOptions {
@@ -165,6 +167,8 @@ class TrainingLoop {
   const TrainingLoopOptions& options() const { return options_; }
   pipeline::Stage& stage() { return *stage_; }
   optim::DistributedOptimizer& optimizer() { return *optimizer_; }
+  // The experts' optimizer over the expert-DP group (null on stages without experts).
+  optim::DistributedOptimizer* expert_optimizer() { return expert_optimizer_.get(); }
   int64_t num_parameters() const { return num_parameters_; }  // whole model, each once
   bool is_logging_rank() const;
   // This iteration's validation loss inside on_iteration (-1: none was evaluated).
@@ -177,6 +181,11 @@ class TrainingLoop {
   std::function<void(const IterationStats&)> on_iteration;
 
  private:
+  // Both optimizers, dense first (the expert one where this stage has experts).
+  std::vector<optim::DistributedOptimizer*> optimizers() const;
+  // One step of every optimizer: one norm over both, one loss-scaler update.
+  bool step_optimizers();
+  optim::DistributedOptimizerOptions optimizer_options() const;
   std::vector<ckpt::ShardedEntry> checkpoint_entries();
   std::vector<pipeline::MicroBatch> on_device(std::vector<pipeline::MicroBatch> micro_batches) const;
   // The last pipeline stage's loss averaged over DP (summed over CP), on every rank.
@@ -189,7 +198,10 @@ class TrainingLoop {
   std::shared_ptr<pipeline::Stage> stage_;
   std::shared_ptr<optim::DynamicLossScaler> scaler_;
   std::unique_ptr<optim::DistributedOptimizer> optimizer_;
-  ModelParameters params_;
+  ModelParameters params_;  // the dense ones
+  std::unique_ptr<optim::DistributedOptimizer> expert_optimizer_;
+  ModelParameters expert_params_;
+  std::pair<int64_t, int64_t> moe_shape_{0, 0};  // (layers, experts) of the model; (0, 0): dense
   LRSchedule lr_;
   bool optimizer_sums_ties_ = false;
   int64_t iteration_ = 0;

@@ -94,7 +94,7 @@ def test_bad_configuration_fails_fast_on_every_rank(args, message):
             i = base.index(flag)
             del base[i:i + 2]
     # Under torchrun: the launch fails within seconds, naming the problem.
-    out, took = torchrun(4, [*base, "--train-iters", "2", *args], timeout=120)
+    out, took = torchrun(4, [*base, "--train-iters", "2", "--lr-warmup-iters", "0", *args], timeout=120)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-3000:]
     assert took < 60
@@ -183,19 +183,19 @@ def test_killed_rank_resumes_bit_for_bit(tmp_path):
         assert r["loss"] == ref[r["iteration"]], r["iteration"]
 
 
-def check_reload_matches(tmp_path, ckpt, layouts, saving):
-    """Loads the 4-iteration checkpoint `ckpt` at each of `layouts` ({name: (ranks, flags)}):
-    evaluated, the validation loss of the layout named `saving` (1e-6); trained two more
-    steps, its losses (1e-5)."""
+def check_reload_matches(tmp_path, ckpt, layouts, saving, model=MODEL):
+    """Loads the 4-iteration checkpoint `ckpt` of `model` at each of `layouts` ({name:
+    (ranks, flags)}): evaluated, the validation loss of the layout named `saving` (1e-6);
+    trained two more steps, its losses (1e-5)."""
     val, cont = {}, {}
     for name, (n, layout) in layouts.items():
         log = tmp_path / f"{name}_eval.json"
-        out, _ = torchrun(n, [*MODEL, "--train-iters", "4", *layout, "--load", str(ckpt), "--eval-only",
+        out, _ = torchrun(n, [*model, "--train-iters", "4", *layout, "--load", str(ckpt), "--eval-only",
                               "--log-json", str(log)])
         assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
         val[name] = json.loads(log.read_text().splitlines()[-1])["val_loss"]
         log = tmp_path / f"{name}_cont.json"
-        out, _ = torchrun(n, [*MODEL, "--train-iters", "6", *layout, "--load", str(ckpt), "--log-json", str(log)])
+        out, _ = torchrun(n, [*model, "--train-iters", "6", *layout, "--load", str(ckpt), "--log-json", str(log)])
         assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
         assert "loaded checkpoint" in out.stdout
         cont[name] = losses(log)
@@ -263,3 +263,79 @@ def test_context_parallel_same_losses_and_resume_across_c(tmp_path):
     layouts = {"cp2tp2": (4, [*cp2, "--tensor-model-parallel-size", "2"]), "cp1": (1, []),
                "cp4": (4, ["--context-parallel-size", "4"])}
     check_reload_matches(tmp_path, ckpt, layouts, "cp2tp2")
+
+
+# A Mixtral-style model: 4 experts, top-2 over the softmax of all experts, SwiGLU experts,
+# RMSNorm, RoPE, no biases; Switch's auxiliary loss and the z-loss on.
+MIXTRAL = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-pre-softmax", "--moe-ffn-hidden-size", "48",
+           "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+           "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+
+
+def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
+    """--num-experts with --expert-model-parallel-size: EP2 x TP2 + SP, EP4 over DP with
+    ZeRO-1, EP2 x PP2 and the all-gather dispatcher at EP2 give the single rank's 10 losses
+    (fp32, 1e-5); the log has every layer's auxiliary and z losses and its tokens per expert
+    (T·k assignments in all). A checkpoint saved at EP2 x TP2 loads at EP1 and EP4: the same
+    validation loss, and two more steps give the saving layout's losses."""
+    ep2tp2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    runs = {
+        "single": (1, []),
+        "ep2tp2": (4, ep2tp2),
+        "ep4zero1": (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"]),
+        "ep2pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        "ep2allgather": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+    }
+    got = {}
+    for name, (n, layout) in runs.items():
+        log = tmp_path / f"{name}.json"
+        out, _ = torchrun(n, [*MODEL, *MIXTRAL, "--train-iters", "10", *layout, "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        assert "load balancing loss:" in out.stdout and "tokens per expert min/max/mean" in out.stdout
+        got[name] = losses(log)
+        assert sorted(got[name]) == list(range(1, 11)), name
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        for r in records:
+            layers = r["moe"]["layers"]
+            assert [l["layer"] for l in layers] == [0, 1, 2, 3]
+            for l in layers:
+                # 8 samples x 32 tokens, 2 experts each, over the 4 experts.
+                assert l["tokens_per_expert_mean"] * 4 == 8 * 32 * 2
+                assert l["aux_loss"] > 0 and l["z_loss"] > 0 and l["dropped"] == 0
+            if "--expert-model-parallel-size" in layout:
+                assert r["comm_bytes"]["ep"] > 0, name  # tokens crossed the EP ranks
+        got[name + "_moe"] = [r["moe"]["aux_loss"] for r in records]
+    ref = got["single"]
+    assert ref[10] < ref[1]  # it learns
+    for name in runs:
+        for it, loss in ref.items():
+            assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
+        assert got[name + "_moe"] == pytest.approx(got["single_moe"], rel=1e-4), name
+
+    ckpt = tmp_path / "ckpt"
+    out, _ = torchrun(4, [*MODEL, *MIXTRAL, "--train-iters", "4", *ep2tp2, "--zero-stage", "1", "--save", str(ckpt)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    layouts = {"ep2tp2": (4, [*ep2tp2, "--zero-stage", "1"]), "ep1": (1, []),
+               "ep4": (4, ["--expert-model-parallel-size", "4"])}
+    check_reload_matches(tmp_path, ckpt, layouts, "ep2tp2", model=[*MODEL, *MIXTRAL])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size (3) to divide the ranks of a pipeline stage"),
+    (["--expert-model-parallel-size", "4", "--num-experts", "2"], "--num-experts (2) to be divisible by "
+                                                                  "--expert-model-parallel-size (4)"),
+    (["--moe-router-topk", "5"], "--moe-router-topk in [1, 4]"),
+    (["--tensor-model-parallel-size", "2"], "expected --sequence-parallel for mixture of experts"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not supported"),
+    (["--zero-stage", "3"], "ZeRO-3 does not shard expert parameters"),
+])
+def test_bad_moe_configuration_fails_fast(args, message):
+    base = [*MODEL, *MIXTRAL]
+    for flag in [*args, "--lr-warmup-iters"]:
+        if flag in base:
+            i = base.index(flag)
+            del base[i:i + 2]
+    out, took = torchrun(4, [*base, "--train-iters", "2", "--lr-warmup-iters", "0", *args], timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-3000:]
+    assert took < 60
