@@ -73,7 +73,20 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
                .load_comparison(load_comparison(model_config(a)));
   // PaLM appendix B: 6Ψ + 12·L·h·s per token (attention counted in full, not halved for causal).
   const double attention = 12.0 * a.num_layers * a.hidden_size * a.seq_length;
-  o.flops_per_token([attention](int64_t params) { return 6.0 * static_cast<double>(params) + attention; });
+  // With experts Ψ is what one token meets: each MoE layer's E - k idle experts leave it.
+  const auto c = model_config(a);
+  double idle = 0;
+  if (c.num_experts() > 0) {
+    const double g = c.activation() == transformer::Activation::kSwiGLU ? 2.0 : 1.0;
+    const double bias = c.add_bias_linear() ? g * c.moe_ffn() + c.hidden_size() : 0.0;
+    const double expert = (g + 1.0) * c.hidden_size() * c.moe_ffn() + bias;
+    for (int64_t l = 0; l < c.num_layers(); ++l) {
+      if (c.is_moe_layer(l)) idle += static_cast<double>(c.num_experts() - c.moe_router_topk()) * expert;
+    }
+  }
+  o.flops_per_token([attention, idle](int64_t params) {
+    return 6.0 * (static_cast<double>(params) - idle) + attention;
+  });
   if (a.distributed_timeout_minutes > 0) {
     o.timeout(std::chrono::milliseconds(static_cast<int64_t>(a.distributed_timeout_minutes * 60e3)));
   }

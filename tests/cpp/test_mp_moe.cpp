@@ -23,9 +23,9 @@ namespace pipeline = megatorch::pipeline;
 
 namespace {
 
-std::unique_ptr<ParallelState> moe_state(int64_t tp, int64_t pp, int64_t ep, const std::string& name) {
+std::unique_ptr<ParallelState> moe_state(int64_t tp, int64_t pp, int64_t ep, const std::string& name, int64_t cp = 1) {
   return std::make_unique<ParallelState>(
-      ParallelStateOptions(tp, pp).expert_model_parallel_size(ep).name(name).device("cpu"));
+      ParallelStateOptions(tp, pp).context_parallel_size(cp).expert_model_parallel_size(ep).name(name).device("cpu"));
 }
 
 at::Tensor randn(std::vector<int64_t> shape, int64_t seed) {
@@ -113,11 +113,12 @@ TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exac
 namespace {
 
 struct EpLayout {
-  int64_t tp, pp, ep;
+  int64_t tp, pp, ep, cp = 1;
 };
 
 std::string describe(const EpLayout& l) {
-  return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " ep " + std::to_string(l.ep);
+  return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " ep " + std::to_string(l.ep) + " cp " +
+         std::to_string(l.cp);
 }
 
 std::vector<pipeline::MicroBatch> micro_batches(const TransformerConfig& c, int64_t m, int64_t first) {
@@ -131,9 +132,10 @@ std::vector<pipeline::MicroBatch> micro_batches(const TransformerConfig& c, int6
 
 }  // namespace
 
-TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2) equals EP 1", "[mp][moe]") {
+TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, with CP2) equals EP 1", "[mp][moe]") {
   const int64_t world = mp::world_size();
   std::vector<EpLayout> layouts{{1, 1, world}};
+  if (world % 2 == 0) layouts.push_back({1, 1, 2, 2});  // EP over the ranks splitting each sequence
   if (world == 4) {
     layouts.push_back({1, 1, 2});  // two expert-data-parallel replicas of each expert
     layouts.push_back({2, 1, 2});  // EP folded onto TP: each TP rank routes its SP share
@@ -151,9 +153,11 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2) equ
   };
   int64_t cases = 0;
   for (const auto& layout : layouts) {
-    auto st = moe_state(layout.tp, layout.pp, layout.ep, "moegpt_" + std::to_string(cases));
+    auto st = moe_state(layout.tp, layout.pp, layout.ep, "moegpt_" + std::to_string(cases), layout.cp);
     Group tpg(*st, GroupKind::kTensor), dpg(*st, GroupKind::kData), edpg(*st, GroupKind::kExpertData);
-    const int64_t dp = dpg.size(), ep_rank = st->ep_rank();
+    Group gradg(*st, GroupKind::kDataContext);
+    // DP x CP: the ranks the optimizer averages over (each CP rank's loss is c x its share).
+    const int64_t dp = dpg.size(), replicas = gradg.size(), ep_rank = st->ep_rank();
     for (const auto& [vname, vconfig] : variants) {
       if (vconfig.num_experts() % layout.ep != 0) continue;  // at world sizes other than 2 and 4
       for (TokenDispatcher type : {TokenDispatcher::kAllToAll, TokenDispatcher::kAllGather}) {
@@ -167,6 +171,7 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2) equ
                                     .moe_token_dispatcher_type(type);
         const auto config = TransformerConfig(ref_config)
                                 .sequence_parallel(layout.tp > 1)
+                                .context_parallel_group(layout.cp > 1 ? st->group_name(GroupKind::kContext) : "")
                                 .expert_parallel_group(st->group_name(GroupKind::kExpert));
         const int64_t m = 2 * layout.pp;
         // Reference: every DP rank's micro-batches on one rank, every expert.
@@ -188,18 +193,18 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2) equ
         stage->allreduce_sequence_parallel_grads();
         if (st->pp_rank() == layout.pp - 1) {
           at::Tensor loss = result.loss.to(at::kDouble).reshape({1});
-          dpg.all_reduce(loss);
-          CHECK(loss.item<double>() / static_cast<double>(dp) == Approx(ref_loss).epsilon(1e-5));
+          gradg.all_reduce(loss);
+          CHECK(loss.item<double>() / static_cast<double>(replicas) == Approx(ref_loss).epsilon(1e-5));
         }
-        // The optimizer's reductions: dense gradients averaged over DP; an expert's summed
-        // over its expert-DP replicas (which hold other tokens) and divided by DP.
+        // The optimizer's reductions: dense gradients averaged over DP x CP; an expert's
+        // summed over its expert-DP replicas (which hold other tokens) and divided by DP x CP.
         gpt_test::for_each_stage_gradient(
             stage, full, config, tpg.rank(), tpg.size(),
             [&](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
               at::Tensor grad = p.grad().clone();
               const bool expert = name.find(".experts.") != std::string::npos;
-              (expert ? edpg : dpg).all_reduce(grad);
-              grad.div_(static_cast<double>(dp));
+              (expert ? edpg : gradg).all_reduce(grad);
+              grad.div_(static_cast<double>(replicas));
               const at::Tensor expected = expert ? local_experts(want, ep_rank, layout.ep) : want;
               INFO(key << " (" << name << ") max diff " << (grad - expected).abs().max().item<double>());
               CHECK(torch::allclose(grad, expected, 1e-5, 1e-6));
