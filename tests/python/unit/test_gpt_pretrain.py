@@ -276,7 +276,7 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
     """--num-experts with --expert-model-parallel-size: EP2 x TP2 + SP, EP4 over DP with
     ZeRO-1, EP2 x PP2 and the all-gather dispatcher at EP2 give the single rank's 10 losses
     (fp32, 1e-5); the log has every layer's auxiliary and z losses and its tokens per expert
-    (T·k assignments in all). A checkpoint saved at EP2 x TP2 loads at EP1 and EP4: the same
+    (T·k assignments in all). With a capacity, EP2 drops the same tokens as one rank. A checkpoint saved at EP2 x TP2 loads at EP1 and EP4: the same
     validation loss, and two more steps give the saving layout's losses."""
     ep2tp2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     runs = {
@@ -311,6 +311,20 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
         for it, loss in ref.items():
             assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
         assert got[name + "_moe"] == pytest.approx(got["single_moe"], rel=1e-4), name
+
+    # A capacity of half the mean load drops tokens, counted in the log; it is decided on each
+    # rank's own tokens before dispatch, so EP 2 drops (and learns) exactly as one rank.
+    capped = {}
+    for name, (n, layout) in {"cap_single": (1, []), "cap_ep2": (2, ["--expert-model-parallel-size", "2"])}.items():
+        log = tmp_path / f"{name}.json"
+        out, _ = torchrun(n, [*MODEL, *MIXTRAL, "--train-iters", "4", "--moe-expert-capacity-factor", "0.5", *layout,
+                              "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert all(r["moe"]["dropped"] > 0 for r in records), name
+        capped[name] = [(r["loss"], r["moe"]["dropped"]) for r in records]
+    for (a, da), (b, db) in zip(capped["cap_single"], capped["cap_ep2"]):
+        assert a == pytest.approx(b, rel=1e-5) and da == db
 
     ckpt = tmp_path / "ckpt"
     out, _ = torchrun(4, [*MODEL, *MIXTRAL, "--train-iters", "4", *ep2tp2, "--zero-stage", "1", "--save", str(ckpt)])
