@@ -353,3 +353,34 @@ def test_bad_moe_configuration_fails_fast(args, message):
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-3000:]
     assert took < 60
+
+
+def test_expert_bias_moves_and_resumes_exactly(tmp_path):
+    """DeepSeek-V3's auxiliary-loss-free balancing: with --moe-router-enable-expert-bias the
+    routing changes from the second step on (the bias moved), and a run resumed from the
+    checkpoint of iteration 4 (the biases are model state) continues with the uninterrupted
+    run's losses and loads."""
+    # The learning rate decays over 6 iterations in every run, the one stopped at 4 too.
+    bias = [*MODEL, *MIXTRAL, "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+            "--moe-router-score-function", "sigmoid", "--moe-router-norm-topk-prob", "--expert-model-parallel-size", "2",
+            "--lr-decay-iters", "6"]
+    plain_log, full_log, resumed_log = (tmp_path / f"{n}.json" for n in ("plain", "full", "resumed"))
+    out, _ = torchrun(2, [*MODEL, *MIXTRAL, "--moe-router-score-function", "sigmoid", "--moe-router-norm-topk-prob",
+                          "--expert-model-parallel-size", "2", "--train-iters", "6", "--log-json", str(plain_log)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out, _ = torchrun(2, [*bias, "--train-iters", "6", "--log-json", str(full_log)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    out, _ = torchrun(2, [*bias, "--train-iters", "4", "--save", str(ckpt)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out, _ = torchrun(2, [*bias, "--train-iters", "6", "--load", str(ckpt), "--log-json", str(resumed_log)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "loaded checkpoint" in out.stdout
+    loads = lambda path: {r["iteration"]: [l["tokens_per_expert_max"] for l in r["moe"]["layers"]]
+                          for r in map(json.loads, Path(path).read_text().splitlines())}
+    plain, full, resumed = loads(plain_log), loads(full_log), loads(resumed_log)
+    assert plain[1] == full[1]  # the first step routes before any update
+    assert any(plain[i] != full[i] for i in range(2, 7))  # then the biases steer it
+    for it in (5, 6):
+        assert resumed[it] == full[it], it
+        assert losses(resumed_log)[it] == pytest.approx(losses(full_log)[it], rel=1e-6), it
