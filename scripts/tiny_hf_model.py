@@ -34,12 +34,15 @@ def build(args, vocab_size):
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=args.max_positions, **fields))
     if args.arch == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))
+    if args.arch == "mixtral":  # intermediate_size is each expert's
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_local_experts=args.experts, num_experts_per_tok=args.topk, sliding_window=None, **fields))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=["llama", "mistral", "qwen2", "gpt2"], default="llama")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2", "mixtral", "gpt2"], default="llama")
     p.add_argument("--out", required=True, help="directory to save_pretrained into")
     p.add_argument("--tokenizer", help="a HuggingFace tokenizer directory: its files are copied, its size is the vocab")
     p.add_argument("--vocab-size", type=int, default=0, help="without --tokenizer")
@@ -50,6 +53,8 @@ def main():
     p.add_argument("--kv-heads", type=int, default=2, help="GQA key/value heads (not GPT-2)")
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--rope-theta", type=float, default=500000.0)
+    p.add_argument("--experts", type=int, default=4, help="Mixtral: experts per layer (num_local_experts)")
+    p.add_argument("--topk", type=int, default=2, help="Mixtral: experts per token (num_experts_per_tok)")
     p.add_argument("--tied", action="store_true", help="tie the output layer to the embedding")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

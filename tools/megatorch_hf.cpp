@@ -1,4 +1,4 @@
-// megatorch-hf: HuggingFace interchange for GPT-2, Llama, Mistral and Qwen2.
+// megatorch-hf: HuggingFace interchange for GPT-2, Llama, Mistral, Qwen2 and Mixtral.
 //
 //   megatorch-hf import --hf-dir tiny-llama/ --save ckpt/ [--iteration 0]
 //       config.json + model.safetensors (as transformers' save_pretrained writes them)
@@ -17,7 +17,7 @@
 namespace ckpt = megatorch::ckpt;
 
 int main(int argc, char** argv) {
-  CLI::App app{"megatorch-hf: import a HuggingFace GPT-2/Llama/Mistral/Qwen2 checkpoint into megatorch's format, or export one"};
+  CLI::App app{"megatorch-hf: import a HuggingFace GPT-2/Llama/Mistral/Qwen2/Mixtral checkpoint into megatorch's format, or export one"};
   app.require_subcommand(1);
   std::string hf_dir, ckpt_dir;
   int64_t iteration = 0;

@@ -32,6 +32,12 @@ bool hf_detail::gpt2_shaped(const TransformerConfig& c) {
 
 namespace {
 
+std::string joined(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : sep) + p;
+  return out;
+}
+
 // Sizes above this are no real model's and could overflow the products computed from them.
 constexpr int64_t kMaxSize = int64_t{1} << 40;
 
@@ -51,9 +57,10 @@ int64_t size_field_or(const json& j, const char* key, int64_t min, int64_t fallb
 
 // The RoPE of a Llama-family config.json: transformers 5 writes rope_parameters (possibly one
 // dict per layer type), 4.x rope_theta at the top and rope_scaling for the scaled kinds.
-// megatorch implements the default, unscaled RoPE over the whole head: returns its base.
-double rope_base(const json& h, const std::string& arch) {
-  double theta = get_or<double>(h, "rope_theta", 10000.0);
+// megatorch implements the default, unscaled RoPE over the whole head: returns its base
+// (`fallback` when the config gives none: the base transformers assumes for the model type).
+double rope_base(const json& h, const std::string& arch, double fallback) {
+  double theta = get_or<double>(h, "rope_theta", fallback);
   MEGATORCH_CHECK(get_or<double>(h, "partial_rotary_factor", 1.0) == 1.0, arch, " import: partial_rotary_factor ",
                   h.at("partial_rotary_factor").dump(), " is not supported; megatorch rotates the whole head (1.0)");
   std::vector<std::pair<std::string, json>> dicts;
@@ -117,22 +124,58 @@ const char* to_string(HFArch a) {
     case HFArch::kLlama: return "llama";
     case HFArch::kMistral: return "mistral";
     case HFArch::kQwen2: return "qwen2";
+    case HFArch::kMixtral: return "mixtral";
   }
   return "?";
 }
 
 HFArch parse_hf_arch(const std::string& s) {
-  return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2},
+  return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2, HFArch::kMixtral},
                           "a HuggingFace model_type");
+}
+
+std::vector<std::string> mixtral_obstacles(const TransformerConfig& c) {
+  std::vector<std::string> out;
+  auto add = [&out](auto&&... parts) { out.push_back(c10::str(parts...)); };
+  const auto yes = [](bool b) { return b ? "true" : "false"; };
+  if (c.num_experts() == 0) add("num_experts 0 (Mixtral has experts in every layer; a dense model is a Llama or Mistral)");
+  if (c.normalization() != Normalization::kRMSNorm) add("normalization ", to_string(c.normalization()), " (Mixtral: RMSNorm)");
+  if (c.activation() != Activation::kSwiGLU) add("activation ", to_string(c.activation()), " (Mixtral's experts: swiglu)");
+  if (c.position_embedding_type() != Positions::kRope)
+    add("position_embedding_type ", to_string(c.position_embedding_type()), " (Mixtral: rope)");
+  if (c.add_bias_linear()) add("add_bias_linear true (Mixtral has no linear biases)");
+  if (c.add_qkv_bias()) add("add_qkv_bias true (Mixtral has no q/k/v biases)");
+  if (!c.causal_attention()) add("causal_attention false (Mixtral is a causal LM)");
+  if (c.num_experts() == 0) return out;
+  if (c.moe_layer_freq() != 1) add("moe_layer_freq ", c.moe_layer_freq(), " (Mixtral: 1, experts in every layer)");
+  if (c.moe_first_k_dense() != 0) add("moe_first_k_dense ", c.moe_first_k_dense(), " (Mixtral: 0, no dense layers)");
+  if (c.moe_shared_expert_intermediate_size() != 0)
+    add("moe_shared_expert_intermediate_size ", c.moe_shared_expert_intermediate_size(), " (Mixtral: 0, no shared expert)");
+  if (c.moe_router_score_function() != transformer::RouterScore::kSoftmax)
+    add("moe_router_score_function ", to_string(c.moe_router_score_function()), " (Mixtral: softmax)");
+  // Softmax over all experts then top-k gives weights summing to < 1; Mixtral renormalises
+  // them, which the router does only with norm_topk_prob and k > 1 (top-k-then-softmax, the
+  // default, sums to 1 by construction).
+  if (c.moe_router_score_function() == transformer::RouterScore::kSoftmax && c.moe_router_pre_softmax() &&
+      !(c.moe_router_norm_topk_prob() && c.moe_router_topk() > 1))
+    add("moe_router_pre_softmax true with moe_router_norm_topk_prob ", yes(c.moe_router_norm_topk_prob()),
+        " and moe_router_topk ", c.moe_router_topk(), " (Mixtral's k weights sum to 1: pre_softmax false, or "
+        "pre_softmax with norm_topk_prob and topk > 1)");
+  if (c.moe_router_topk_scaling_factor() != 1.0)
+    add("moe_router_topk_scaling_factor ", c.moe_router_topk_scaling_factor(), " (Mixtral: 1)");
+  if (c.moe_router_enable_expert_bias()) add("moe_router_enable_expert_bias true (Mixtral has no expert bias)");
+  return out;
 }
 
 bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
   if (!c.causal_attention()) return false;  // every supported HF model is a causal LM
+  const bool dense = c.num_experts() == 0;
   switch (a) {
-    case HFArch::kGPT2: return gpt2_shaped(c) && c.sliding_window() == 0;
-    case HFArch::kLlama: return llama_shaped(c) && !c.add_qkv_bias() && c.sliding_window() == 0;
-    case HFArch::kMistral: return llama_shaped(c) && !c.add_qkv_bias();
-    case HFArch::kQwen2: return llama_shaped(c) && c.add_qkv_bias();
+    case HFArch::kGPT2: return dense && gpt2_shaped(c) && c.sliding_window() == 0;
+    case HFArch::kLlama: return dense && llama_shaped(c) && !c.add_qkv_bias() && c.sliding_window() == 0;
+    case HFArch::kMistral: return dense && llama_shaped(c) && !c.add_qkv_bias();
+    case HFArch::kQwen2: return dense && llama_shaped(c) && c.add_qkv_bias();
+    case HFArch::kMixtral: return mixtral_obstacles(c).empty();
   }
   return false;
 }
@@ -142,8 +185,14 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
     const HFArch p = parse_hf_arch(preferred);
     if (hf_arch_holds(p, c)) return p;
   }
-  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kMistral})
+  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kMistral, HFArch::kMixtral})
     if (hf_arch_holds(a, c)) return a;
+  if (c.num_experts() > 0) {
+    MEGATORCH_FAIL("HuggingFace export: the mixture-of-experts model cannot be written as Mixtral ",
+                   "(MixtralForCausalLM), the one mixture-of-experts architecture megatorch-hf writes: ",
+                   joined(mixtral_obstacles(c), "; "), ". These fields describe how the weights compute, "
+                   "so no config.json of Mixtral reproduces the model: keep it in megatorch's format");
+  }
   MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
                  to_string(c.position_embedding_type()), ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
                  c.add_qkv_bias(), ", sliding_window ", c.sliding_window(), ", ", c.query_groups(),
@@ -224,11 +273,15 @@ TransformerConfig config_from_hf(const json& h) {
     validate_imported(c, "GPT-2");
     return c;
   }
-  // Llama, Mistral and Qwen2: one layout; Qwen2 adds q/k/v biases, Mistral (and Qwen2 with
-  // use_sliding_window) a sliding window. pretraining_tp > 1 (Llama) only split the matmuls
-  // in transformers 4.x (numerically the same sums; 5.x ignores it), so it is not refused;
-  // pad_token_id only keeps HF's embedding row from training (padding_idx), not the forward.
-  const std::string name = arch == HFArch::kLlama ? "Llama" : arch == HFArch::kMistral ? "Mistral" : "Qwen2";
+  // Llama, Mistral, Qwen2 and Mixtral: one layout; Qwen2 adds q/k/v biases, Mistral and
+  // Mixtral (and Qwen2 with use_sliding_window) a sliding window, Mixtral experts for the MLP.
+  // pretraining_tp > 1 (Llama) only split the matmuls in transformers 4.x (numerically the
+  // same sums; 5.x ignores it), so it is not refused; pad_token_id only keeps HF's embedding
+  // row from training (padding_idx), not the forward.
+  const std::string name = arch == HFArch::kLlama     ? "Llama"
+                           : arch == HFArch::kMistral ? "Mistral"
+                           : arch == HFArch::kQwen2   ? "Qwen2"
+                                                      : "Mixtral";
   const std::string act = get_or<std::string>(h, "hidden_act", "silu");
   MEGATORCH_CHECK(act == "silu" || act == "swish", name, " import: hidden_act '", act,
                   "' is not supported (megatorch's SwiGLU uses silu)");
@@ -237,7 +290,8 @@ TransformerConfig config_from_hf(const json& h) {
                     "supported (it also puts a bias on o_proj, which megatorch's bias-free Llama has not)");
     MEGATORCH_CHECK(!get_or<bool>(h, "mlp_bias", false), "Llama import: mlp_bias true is not supported");
   }
-  const double theta = rope_base(h, name);
+  // transformers' default base where config.json has none: 1e6 for Mixtral, 1e4 otherwise.
+  const double theta = rope_base(h, name, arch == HFArch::kMixtral ? 1e6 : 1e4);
   const int64_t hidden = size_field(h, "hidden_size", 1), heads = size_field(h, "num_attention_heads", 1);
   const int64_t groups = size_field_or(h, "num_key_value_heads", 1, heads);
   check_heads(h, "hidden_size", "num_attention_heads", "num_key_value_heads");
@@ -247,7 +301,7 @@ TransformerConfig config_from_hf(const json& h) {
                   heads);
   const int64_t layers = size_field(h, "num_hidden_layers", 1);
   int64_t window = 0;
-  if (arch == HFArch::kMistral) window = size_field_or(h, "sliding_window", 0, 0);  // null: none
+  if (arch == HFArch::kMistral || arch == HFArch::kMixtral) window = size_field_or(h, "sliding_window", 0, 0);  // null: none
   if (arch == HFArch::kQwen2) window = qwen2_window(h, layers);
   const int64_t positions = size_field(h, "max_position_embeddings", 1);
   c.hidden_size(hidden)
@@ -269,11 +323,26 @@ TransformerConfig config_from_hf(const json& h) {
       .add_bias_linear(false)
       .add_qkv_bias(arch == HFArch::kQwen2)
       .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", false));
+  if (arch == HFArch::kMixtral) {
+    // Every layer's MLP is num_local_experts SwiGLU experts of intermediate_size, k of them
+    // per token. Mixtral's router (softmax over all experts, top-k, renormalised to sum to
+    // 1) equals the default one (top-k of the logits, softmax over those k). Not refused,
+    // as they do not change what the model computes: router_jitter_noise (noise on the
+    // router's input in HF training only), router_aux_loss_coef and output_router_logits
+    // (HF's training loss and outputs); import_hf records the first two for the export.
+    // Absent, the expert counts are transformers' defaults (8 and 2), as from_pretrained reads them.
+    const int64_t experts = size_field_or(h, "num_local_experts", 1, 8);
+    const int64_t topk = size_field_or(h, "num_experts_per_tok", 1, 2);
+    MEGATORCH_CHECK(topk <= experts, "Mixtral import: expected num_experts_per_tok (", topk,
+                    ") <= num_local_experts (", experts, "): each token goes to that many distinct experts; fix the "
+                    "fields in config.json");
+    c.num_experts(experts).moe_router_topk(topk).moe_ffn_hidden_size(c.ffn()).moe_layer_freq(1).moe_first_k_dense(0);
+  }
   validate_imported(c, name);
   return c;
 }
 
-json hf_config_from(const TransformerConfig& c, HFArch arch) {
+json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_state) {
   MEGATORCH_CHECK(hf_arch_holds(arch, c), "HuggingFace export: the model cannot be written as ", to_string(arch),
                   "; hf_arch_of(config) names the architecture that holds it");
   if (arch == HFArch::kGPT2) {
@@ -286,13 +355,15 @@ json hf_config_from(const TransformerConfig& c, HFArch arch) {
             {"attn_pdrop", 0.0},                    {"initializer_range", c.init_std()},
             {"tie_word_embeddings", c.tie_embeddings()}, {"torch_dtype", "float32"}};
   }
-  const char* cls = arch == HFArch::kLlama ? "LlamaForCausalLM"
-                    : arch == HFArch::kMistral ? "MistralForCausalLM" : "Qwen2ForCausalLM";
+  const char* cls = arch == HFArch::kLlama     ? "LlamaForCausalLM"
+                    : arch == HFArch::kMistral ? "MistralForCausalLM"
+                    : arch == HFArch::kQwen2   ? "Qwen2ForCausalLM"
+                                               : "MixtralForCausalLM";
   json j = {{"architectures", {cls}},
             {"model_type", to_string(arch)},
             {"vocab_size", c.vocab_size()},
             {"hidden_size", c.hidden_size()},
-            {"intermediate_size", c.ffn()},
+            {"intermediate_size", arch == HFArch::kMixtral ? c.moe_ffn() : c.ffn()},
             {"num_hidden_layers", c.num_layers()},
             {"num_attention_heads", c.num_attention_heads()},
             {"num_key_value_heads", c.query_groups()},
@@ -312,6 +383,16 @@ json hf_config_from(const TransformerConfig& c, HFArch arch) {
     j["mlp_bias"] = false;
   } else if (arch == HFArch::kMistral) {
     j["sliding_window"] = window;
+  } else if (arch == HFArch::kMixtral) {
+    j["sliding_window"] = window;
+    j["num_local_experts"] = c.num_experts();
+    j["num_experts_per_tok"] = c.moe_router_topk();
+    j["output_router_logits"] = false;
+    // HF's training-only fields: what an import recorded, else 0. A checkpoint does not
+    // record the run's --moe-aux-loss-coeff, and HF's default (0.001) would be invented.
+    const json& st = import_state.is_object() ? import_state : json::object();
+    j["router_aux_loss_coef"] = get_or<double>(st, "hf_router_aux_loss_coef", 0.0);
+    j["router_jitter_noise"] = get_or<double>(st, "hf_router_jitter_noise", 0.0);
   } else {
     // Qwen2: every layer slides (max_window_layers 0) or none does; layer_types says so
     // explicitly, as transformers 5 writes it.

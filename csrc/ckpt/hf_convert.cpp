@@ -47,6 +47,7 @@ class Tensors {
     taken_.insert(name);
     return it->second;
   }
+  bool has(const std::string& name) const { return m_.count(name) > 0; }
   // A tensor that may be present (a tied lm_head.weight): checked like take() when it is.
   void check_if_present(const std::string& name, const std::vector<int64_t>& shape) const {
     auto it = m_.find(name);
@@ -70,7 +71,7 @@ class Tensors {
     MEGATORCH_CHECK(t.sizes().vec() == shape, "HuggingFace checkpoint: expected tensor '", file_name, "' of shape ",
                     at::IntArrayRef(shape), " (from config.json), got ", t.sizes(),
                     "; config.json does not describe these weights (vocab_size, hidden size, heads, "
-                    "key/value heads, intermediate size, layers or positions differ)");
+                    "key/value heads, intermediate size, experts, layers or positions differ)");
   }
 
   std::map<std::string, at::Tensor> m_;
@@ -89,6 +90,32 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 std::string layer(int64_t i) { return "layers." + std::to_string(i) + "."; }
+
+// Mixtral's experts of HF layer prefix `p` ("model.layers.3.") -> megatorch's MoE layer `l`.
+// Two layouts: the published one (and what save_pretrained writes), per expert under
+// block_sparse_moe (w1 gate, w3 up [F, h]; w2 down [h, F]); and transformers 5's in-memory
+// one under mlp (gate_up_proj [E, 2F, h] = [gate; up] rows, down_proj [E, h, F]).
+// megatorch's are input-major: fc1 [E, h, 2F] with [gate | up] columns, fc2 [E, F, h].
+void take_mixtral_experts(Tensors& hf, const std::string& p, const std::string& l, const TransformerConfig& c,
+                          std::map<std::string, at::Tensor>& out) {
+  const int64_t E = c.num_experts(), h = c.hidden_size(), F = c.moe_ffn();
+  const std::string fused = p + "mlp.experts.gate_up_proj";
+  const std::string moe = hf.has(fused) || hf.has(p + "mlp.gate.weight") ? p + "mlp." : p + "block_sparse_moe.";
+  out[l + "mlp.router.weight"] = hf.take(moe + "gate.weight", {E, h});
+  if (hf.has(fused)) {
+    out[l + "mlp.experts.fc1_weight"] = hf.take(fused, {E, 2 * F, h}).transpose(1, 2);
+    out[l + "mlp.experts.fc2_weight"] = hf.take(p + "mlp.experts.down_proj", {E, h, F}).transpose(1, 2);
+    return;
+  }
+  std::vector<at::Tensor> fc1, fc2;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = moe + "experts." + std::to_string(e) + ".";
+    fc1.push_back(at::cat({hf.take(x + "w1.weight", {F, h}), hf.take(x + "w3.weight", {F, h})}, 0).t());
+    fc2.push_back(hf.take(x + "w2.weight", {h, F}).t());
+  }
+  out[l + "mlp.experts.fc1_weight"] = at::stack(fc1);
+  out[l + "mlp.experts.fc2_weight"] = at::stack(fc2);
+}
 
 }  // namespace
 
@@ -168,6 +195,10 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
         out[l + "attention.qkv.bias"] = at::cat({qb, kb, vb}, 1).reshape({(heads + 2 * groups) * d});
       }
       out[l + "attention.proj.weight"] = hf.take(p + "self_attn.o_proj.weight", {h, heads * d});
+      if (c.is_moe_layer(i)) {
+        take_mixtral_experts(hf, p, l, c, out);
+        continue;
+      }
       out[l + "mlp.fc1.weight"] = at::cat(
           {hf.take(p + "mlp.gate_proj.weight", {F, h}), hf.take(p + "mlp.up_proj.weight", {F, h})}, 0);
       out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.down_proj.weight", {h, F});
@@ -234,6 +265,21 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
         out[p + "self_attn.v_proj.bias"] = b.select(1, per + 1).reshape({groups * d});
       }
       out[p + "self_attn.o_proj.weight"] = take(mt, l + "attention.proj.weight");
+      if (c.is_moe_layer(i)) {
+        // The published per-expert layout: transformers 4.x's module names, which 5.x fuses
+        // on load and splits again in save_pretrained.
+        const std::string moe = p + "block_sparse_moe.";
+        const int64_t F = c.moe_ffn();
+        out[moe + "gate.weight"] = take(mt, l + "mlp.router.weight");
+        const at::Tensor fc1 = take(mt, l + "mlp.experts.fc1_weight"), fc2 = take(mt, l + "mlp.experts.fc2_weight");
+        for (int64_t e = 0; e < c.num_experts(); ++e) {
+          const std::string x = moe + "experts." + std::to_string(e) + ".";
+          out[x + "w1.weight"] = fc1[e].narrow(1, 0, F).t();
+          out[x + "w3.weight"] = fc1[e].narrow(1, F, F).t();
+          out[x + "w2.weight"] = fc2[e].t();
+        }
+        continue;
+      }
       const auto gate_up = take(mt, l + "mlp.fc1.weight").chunk(2, 0);
       out[p + "mlp.gate_proj.weight"] = gate_up[0];
       out[p + "mlp.up_proj.weight"] = gate_up[1];
@@ -281,6 +327,10 @@ HFConversion import_hf(const std::string& hf_dir, const std::string& ckpt_dir, i
   // The model_type, so that an export writes the same architecture back (a Mistral without a
   // window is a Llama in shape, and would otherwise be exported as one).
   state.state = {{"imported_from", hf_dir}, {"hf_model_type", to_string(arch)}};
+  if (arch == HFArch::kMixtral) {  // HF training settings megatorch does not use, for the export
+    state.state["hf_router_aux_loss_coef"] = get_or<double>(hf_config, "router_aux_loss_coef", 0.001);
+    state.state["hf_router_jitter_noise"] = get_or<double>(hf_config, "router_jitter_noise", 0.0);
+  }
   save_checkpoint(ckpt_dir, iteration, entries, state);
   return {c, arch};
 }
@@ -289,8 +339,11 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
   const json meta = read_metadata(ckpt_dir, iteration);
   const TransformerConfig c = gpt_config_from_json(meta.at("model_config"));
   std::string recorded;
-  if (meta.contains("state") && meta.at("state").is_object())
-    recorded = get_or<std::string>(meta.at("state"), "hf_model_type", "");
+  json import_state = json::object();
+  if (meta.contains("state") && meta.at("state").is_object()) {
+    import_state = meta.at("state");
+    recorded = get_or<std::string>(import_state, "hf_model_type", "");
+  }
   const HFArch arch = hf_arch_of(c, recorded);  // refuse a model no architecture holds before reading tensors
   std::vector<ShardedEntry> entries;
   for (const auto& [key, t] : meta.at("tensors").items()) {
@@ -313,7 +366,7 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
   io::AtomicFile weights((fs::path(hf_dir) / "model.safetensors").string());
   write_safetensors(weights, hf, {{"format", "pt"}});
   io::AtomicFile config((fs::path(hf_dir) / "config.json").string());
-  config.write(hf_config_from(c, arch).dump(2) + "\n");
+  config.write(hf_config_from(c, arch, import_state).dump(2) + "\n");
   weights.finish();
   config.finish();
   weights.publish();
