@@ -372,8 +372,9 @@ PYBIND11_MODULE(_cpp, m) {
         auto entries = megatorch::ckpt::gpt_model_entries(model, megatorch::ckpt::GPTEntriesOptions().writer(writer));
         megatorch::ckpt::CheckpointState state;
         state.model_config = megatorch::ckpt::gpt_config_json(model.options.config());
+        const std::string name = group_name(group);  // reads the Python object: before the GIL goes
         py::gil_scoped_release no_gil;
-        megatorch::ckpt::save_checkpoint(dir, iteration, entries, state, group_name(group));
+        megatorch::ckpt::save_checkpoint(dir, iteration, entries, state, name);
       },
       py::arg("model"), py::arg("dir"), py::arg("iteration"), py::arg("group") = py::none(), py::arg("writer") = true,
       "Saves the model's parameters as checkpoint `iteration` under `dir`. `group`: every rank taking part\n"
