@@ -161,7 +161,11 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
     // Each expert is on one EP rank: the norm spans EP (and PP, added in step_optimizers).
     std::vector<std::string> expert_groups;
     if (state_->ep_size() > 1) expert_groups.push_back(ep_group());
-    const int64_t data_replicas = comm::Group(grad_group()).size();
+    // Without SP the TP ranks route the same tokens, so each expert sees each of them tp
+    // times (whole experts, expert-TP 1): those copies average out too.
+    const auto layers = moe::moe_layers(stage_->stage_module());
+    const bool sp = !layers.empty() && layers.front()->options.config().sequence_parallel();
+    const int64_t data_replicas = comm::Group(grad_group()).size() * (sp ? 1 : state_->tp_size());
     expert_optimizer_ = std::make_unique<optim::DistributedOptimizer>(
         expert_params_.units, edp_group(),
         optimizer_options()

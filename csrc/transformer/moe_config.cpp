@@ -43,13 +43,6 @@ void TransformerConfig::validate_moe(int64_t tp, int64_t ep) const {
   MEGATORCH_CHECK(num_experts_ % ep == 0, "expected --num-experts (", num_experts_,
                   ") to be divisible by --expert-model-parallel-size (", ep, "): each expert-parallel rank holds ",
                   "num_experts / ep whole experts");
-  // Experts are not split over TP (expert tensor parallel size 1): the tokens of the
-  // TP ranks must differ, or each rank's experts would see, and count, the same token
-  // tp times. Sequence parallelism gives each TP rank its own tokens (Megatron asks
-  // the same of MoE with TP).
-  MEGATORCH_CHECK(tp == 1 || sequence_parallel_, "expected --sequence-parallel for mixture of experts with ",
-                  "--tensor-model-parallel-size ", tp, " > 1: each TP rank routes its own share of the sequence; "
-                  "add --sequence-parallel");
 }
 
 const char* to_string(RouterScore s) { return s == RouterScore::kSoftmax ? "softmax" : "sigmoid"; }

@@ -114,11 +114,12 @@ namespace {
 
 struct EpLayout {
   int64_t tp, pp, ep, cp = 1;
+  bool sp = true;  // with tp > 1
 };
 
 std::string describe(const EpLayout& l) {
   return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " ep " + std::to_string(l.ep) + " cp " +
-         std::to_string(l.cp);
+         std::to_string(l.cp) + (l.tp > 1 && !l.sp ? " no SP" : "");
 }
 
 std::vector<pipeline::MicroBatch> micro_batches(const TransformerConfig& c, int64_t m, int64_t first) {
@@ -139,6 +140,7 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
   if (world == 4) {
     layouts.push_back({1, 1, 2});  // two expert-data-parallel replicas of each expert
     layouts.push_back({2, 1, 2});  // EP folded onto TP: each TP rank routes its SP share
+    layouts.push_back({2, 1, 2, 1, false});  // without SP both TP ranks route every token
     layouts.push_back({2, 1, 4});  // EP over TP x DP
     layouts.push_back({1, 2, 2});  // EP inside each pipeline stage
   }
@@ -170,7 +172,7 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
                                     .moe_z_loss_coeff(0.001)
                                     .moe_token_dispatcher_type(type);
         const auto config = TransformerConfig(ref_config)
-                                .sequence_parallel(layout.tp > 1)
+                                .sequence_parallel(layout.tp > 1 && layout.sp)
                                 .context_parallel_group(layout.cp > 1 ? st->group_name(GroupKind::kContext) : "")
                                 .expert_parallel_group(st->group_name(GroupKind::kExpert));
         const int64_t m = 2 * layout.pp;
@@ -197,14 +199,16 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
           CHECK(loss.item<double>() / static_cast<double>(replicas) == Approx(ref_loss).epsilon(1e-5));
         }
         // The optimizer's reductions: dense gradients averaged over DP x CP; an expert's
-        // summed over its expert-DP replicas (which hold other tokens) and divided by DP x CP.
+        // summed over its expert-DP replicas (which hold other tokens) and divided by DP x CP
+        // (and by TP without SP, whose ranks send it the same tokens).
+        const int64_t copies = layout.tp > 1 && !layout.sp ? layout.tp : 1;
         gpt_test::for_each_stage_gradient(
             stage, full, config, tpg.rank(), tpg.size(),
             [&](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
               at::Tensor grad = p.grad().clone();
               const bool expert = name.find(".experts.") != std::string::npos;
               (expert ? edpg : gradg).all_reduce(grad);
-              grad.div_(static_cast<double>(replicas));
+              grad.div_(static_cast<double>(expert ? replicas * copies : replicas));
               const at::Tensor expected = expert ? local_experts(want, ep_rank, layout.ep) : want;
               INFO(key << " (" << name << ") max diff " << (grad - expected).abs().max().item<double>());
               CHECK(torch::allclose(grad, expected, 1e-5, 1e-6));

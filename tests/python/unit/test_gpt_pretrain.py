@@ -339,7 +339,6 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
     (["--expert-model-parallel-size", "4", "--num-experts", "2"], "--num-experts (2) to be divisible by "
                                                                   "--expert-model-parallel-size (4)"),
     (["--moe-router-topk", "5"], "--moe-router-topk in [1, 4]"),
-    (["--tensor-model-parallel-size", "2"], "expected --sequence-parallel for mixture of experts"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not supported"),
     (["--zero-stage", "3"], "ZeRO-3 does not shard expert parameters"),
 ])
