@@ -1,7 +1,8 @@
 """build/bin/megatorch-generate (include/megatorch/inference/): text generation with a KV cache.
 
 Tiny randomly initialised ``transformers`` models (GPT2LMHeadModel; LlamaForCausalLM with GQA
-and rope_theta 500; Qwen2 with q/k/v biases; Mistral with a sliding window) imported with
+and rope_theta 500; Qwen2 with q/k/v biases; Mistral with a sliding window; Mixtral with 4
+experts, top-2) imported with
 megatorch-hf: greedy output equals transformers' ``generate(do_sample=False)`` token for
 token at TP1, TP2, PP2 and (GPT-2, tied embedding) TP2 x PP2; seeded sampling repeats across
 runs, TP and PP sizes; bad launches and prompts fail with clear messages.
@@ -48,10 +49,12 @@ def hf_model(arch):
             fields.update(tie_word_embeddings=True)
         if arch == "mistral":  # a window of WINDOW tokens (the import caps seq_length at it)
             fields.update(max_position_embeddings=4 * POSITIONS, sliding_window=WINDOW)
+        if arch == "mixtral":  # 4 experts, 2 per token: the routing changes from token to token
+            fields.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
         config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "mistral": transformers.MistralConfig}[arch](**fields)
+                  "mistral": transformers.MistralConfig, "mixtral": transformers.MixtralConfig}[arch](**fields)
         model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "mistral": transformers.MistralForCausalLM}[arch](config)
+                 "mistral": transformers.MistralForCausalLM, "mixtral": transformers.MixtralForCausalLM}[arch](config)
     with torch.no_grad():  # large random weights: peaked logits, no argmax ties, every tensor matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -66,7 +69,7 @@ def models(tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"ids": p}) + "\n" for p in PROMPTS))
     out = {}
-    for arch in ("gpt2", "llama", "qwen2", "mistral"):
+    for arch in ("gpt2", "llama", "qwen2", "mistral", "mixtral"):
         model = hf_model(arch)
         model.save_pretrained(root / arch, safe_serialization=True)
         r = subprocess.run([str(BIN / "megatorch-hf"), "import", "--hf-dir", str(root / arch), "--save",
@@ -89,7 +92,7 @@ def hf_greedy(model, prompt):
 
 # GPT-2 at TP2 x PP2 also has its tied embedding's copy on the last stage.
 LAYOUTS = [("gpt2", 1, 1), ("gpt2", 2, 1), ("gpt2", 2, 2), ("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2),
-           ("qwen2", 1, 1), ("qwen2", 2, 1), ("mistral", 1, 1)]
+           ("qwen2", 1, 1), ("qwen2", 2, 1), ("mistral", 1, 1), ("mixtral", 1, 1), ("mixtral", 2, 1)]
 
 
 @pytest.mark.parametrize("arch, tp, pp", LAYOUTS)
