@@ -71,6 +71,25 @@ def test_same_losses_at_every_layout(tmp_path):
             assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
 
 
+def replaced(base, args):
+    """`base` without the flags `args` gives (each with the value after it): the bad value
+    replaces the good one (a flag given twice is an error)."""
+    base = list(base)
+    for flag in args:
+        if flag in base:
+            i = base.index(flag)
+            del base[i:i + 2]
+    return base
+
+
+def fails_fast(base, args, message):
+    """4 ranks under torchrun stop within seconds, naming the problem."""
+    out, took = torchrun(4, [*base, "--train-iters", "2", *args], timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-3000:]
+    assert took < 60
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tensor-model-parallel-size", "3"], "to divide the world size 4"),
     (["--context-parallel-size", "3"], "context x pipeline parallel size (1 x 3 x 1 = 3) to divide the world size 4"),
@@ -88,16 +107,9 @@ def test_same_losses_at_every_layout(tmp_path):
 def test_bad_configuration_fails_fast_on_every_rank(args, message):
     if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible here, so --device cuda is not an error")
-    base = list(MODEL)
-    for flag in args:  # the bad value replaces the good one (a flag given twice is an error)
-        if flag in base:
-            i = base.index(flag)
-            del base[i:i + 2]
+    base = replaced(MODEL, args)
     # Under torchrun: the launch fails within seconds, naming the problem.
-    out, took = torchrun(4, [*base, "--train-iters", "2", "--lr-warmup-iters", "0", *args], timeout=120)
-    assert out.returncode != 0
-    assert message in out.stderr, out.stderr[-3000:]
-    assert took < 60
+    fails_fast(base, args, message)
     # Every rank on its own (torchrun stops the others once one fails, so it cannot show
     # this): each of the 4 exits non-zero with the message, none waits for the others.
     port = free_port()
@@ -276,8 +288,9 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
     """--num-experts with --expert-model-parallel-size: EP2 x TP2 + SP, EP4 over DP with
     ZeRO-1, EP2 x PP2 and the all-gather dispatcher at EP2 give the single rank's 10 losses
     (fp32, 1e-5); the log has every layer's auxiliary and z losses and its tokens per expert
-    (T·k assignments in all). With a capacity, EP2 drops the same tokens as one rank. A checkpoint saved at EP2 x TP2 loads at EP1 and EP4: the same
-    validation loss, and two more steps give the saving layout's losses."""
+    (T·k assignments in all). With a capacity, EP2 drops the same tokens as one rank. A
+    checkpoint saved at EP2 x TP2 loads at EP1 and EP4: the same validation loss, and two
+    more steps give the saving layout's losses."""
     ep2tp2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     runs = {
         "single": (1, []),
@@ -343,15 +356,8 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
     (["--zero-stage", "3"], "ZeRO-3 does not shard expert parameters"),
 ])
 def test_bad_moe_configuration_fails_fast(args, message):
-    base = [*MODEL, *MIXTRAL]
-    for flag in [*args, "--lr-warmup-iters"]:
-        if flag in base:
-            i = base.index(flag)
-            del base[i:i + 2]
-    out, took = torchrun(4, [*base, "--train-iters", "2", "--lr-warmup-iters", "0", *args], timeout=120)
-    assert out.returncode != 0
-    assert message in out.stderr, out.stderr[-3000:]
-    assert took < 60
+    fails_fast(replaced([*MODEL, *MIXTRAL], [*args, "--lr-warmup-iters", "0"]), [*args, "--lr-warmup-iters", "0"],
+               message)
 
 
 def test_expert_bias_moves_and_resumes_exactly(tmp_path):
