@@ -95,69 +95,100 @@ TEST_CASE("expert tensor parallelism: world 16, tp 2, ep 2, etp 2", "[layout]") 
   CHECK(plain.describe() == "world 16 = tp 2 x dp 4 x pp 2");
 }
 
+namespace {
+
+// f(world, tp, pp, cp) for every world <= max_world and tp * cp * pp dividing it.
+template <typename F>
+void for_each_layout(int64_t max_world, F&& f) {
+  for (int64_t world = 1; world <= max_world; ++world) {
+    for (int64_t tp = 1; tp <= world; ++tp) {
+      if (world % tp) continue;
+      for (int64_t pp = 1; pp <= world / tp; ++pp) {
+        if ((world / tp) % pp) continue;
+        for (int64_t cp = 1; cp <= world / (tp * pp); ++cp) {
+          if ((world / (tp * pp)) % cp) continue;
+          f(world, tp, pp, cp);
+        }
+      }
+    }
+  }
+}
+
+// Each kind's groups partition the ranks into groups of the kind's size, found again by
+// group_index; member(k, rank, first member of its group) checks the coordinates. Returns
+// each rank's group index per kind (-1: in none) and clears ok on any violation.
+template <typename Member>
+std::vector<std::vector<int64_t>> check_partitions(const RankLayout& layout, const std::vector<GroupKind>& kinds,
+                                                   bool& ok, Member&& member) {
+  const int64_t world = layout.world_size();
+  std::vector<std::vector<int64_t>> index_of(kinds.size(), std::vector<int64_t>(world, -1));
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    const auto groups = layout.groups(kinds[k]);
+    ok &= static_cast<int64_t>(groups.size()) * layout.size(kinds[k]) == world;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ok &= static_cast<int64_t>(groups[g].size()) == layout.size(kinds[k]);
+      ok &= std::is_sorted(groups[g].begin(), groups[g].end());
+      for (int64_t r : groups[g]) {
+        ok &= index_of[k][r] == -1;  // in no other group of this kind
+        index_of[k][r] = static_cast<int64_t>(g);
+        ok &= layout.group_index(kinds[k], r) == static_cast<int64_t>(g);
+        ok &= member(kinds[k], r, groups[g][0]);
+      }
+    }
+  }
+  return index_of;
+}
+
+// Groups of the first `n` kinds are pairwise orthogonal: any two meet in at most one rank.
+bool orthogonal(const std::vector<std::vector<int64_t>>& index_of, size_t n) {
+  bool ok = true;
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = a + 1; b < n; ++b) {
+      std::set<std::pair<int64_t, int64_t>> seen;
+      for (size_t r = 0; r < index_of[a].size(); ++r) {
+        ok &= index_of[a][r] >= 0;
+        ok &= seen.insert({index_of[a][r], index_of[b][r]}).second;
+      }
+    }
+  }
+  return ok;
+}
+
+}  // namespace
+
 // Every (world <= 512, tp, cp, pp) with tp * cp * pp dividing world: each rank is in
 // exactly one group of each kind, groups have the kind's size, members differ only in
 // the kind's coordinates, groups of different one-coordinate kinds meet in at most one
 // rank (orthogonal), and a DP x CP group is a union of whole DP and whole CP groups.
 TEST_CASE("rank layout invariants for every valid world <= 512", "[layout]") {
-  const GroupKind kinds[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline, GroupKind::kContext,
-                             GroupKind::kDataContext};
-  constexpr int kSingle = 4;  // the kinds that vary one coordinate
+  const std::vector<GroupKind> kinds{GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline, GroupKind::kContext,
+                                     GroupKind::kDataContext};
+  constexpr size_t kSingle = 4;  // the kinds that vary one coordinate
   int64_t layouts = 0;
   // Plain bools inside the loops (tens of millions of checks); one REQUIRE per layout
   // names the layout that broke.
-  for (int64_t world = 1; world <= 512; ++world) {
-    for (int64_t tp = 1; tp <= world; ++tp) {
-      if (world % tp) continue;
-      for (int64_t pp = 1; pp <= world / tp; ++pp) {
-        if ((world / tp) % pp) continue;
-       for (int64_t cp = 1; cp <= world / (tp * pp); ++cp) {
-        if ((world / (tp * pp)) % cp) continue;
-        ++layouts;
-        RankLayout layout(world, tp, pp, cp);
-        bool ok = true;
-        std::vector<std::vector<int64_t>> index_of(5, std::vector<int64_t>(world, -1));
-        for (int k = 0; k < 5; ++k) {
-          const auto groups = layout.groups(kinds[k]);
-          ok &= static_cast<int64_t>(groups.size()) * layout.size(kinds[k]) == world;
-          for (size_t g = 0; g < groups.size(); ++g) {
-            ok &= static_cast<int64_t>(groups[g].size()) == layout.size(kinds[k]);
-            const RankCoord first = layout.coord(groups[g][0]);
-            for (int64_t r : groups[g]) {
-              ok &= index_of[k][r] == -1;  // in no other group of this kind
-              index_of[k][r] = static_cast<int64_t>(g);
-              ok &= layout.group_index(kinds[k], r) == static_cast<int64_t>(g);
-              const RankCoord c = layout.coord(r);
-              ok &= layout.rank_of(c) == r;
-              ok &= kinds[k] == GroupKind::kTensor || c.tp == first.tp;
-              ok &= kinds[k] == GroupKind::kData || kinds[k] == GroupKind::kDataContext || c.dp == first.dp;
-              ok &= kinds[k] == GroupKind::kPipeline || c.pp == first.pp;
-              ok &= kinds[k] == GroupKind::kContext || kinds[k] == GroupKind::kDataContext || c.cp == first.cp;
-            }
-          }
-        }
-        for (int64_t r = 0; r < world; ++r) {
-          // The DP x CP group holds this rank's whole DP group and whole CP group.
-          const auto both = layout.group_ranks(GroupKind::kDataContext, r);
-          for (GroupKind part : {GroupKind::kData, GroupKind::kContext}) {
-            for (int64_t m : layout.group_ranks(part, r)) ok &= std::count(both.begin(), both.end(), m) == 1;
-          }
-        }
-        for (int a = 0; a < kSingle; ++a) {
-          for (int b = a + 1; b < kSingle; ++b) {
-            std::set<std::pair<int64_t, int64_t>> seen;
-            for (int64_t r = 0; r < world; ++r) {
-              ok &= index_of[a][r] >= 0;
-              ok &= seen.insert({index_of[a][r], index_of[b][r]}).second;  // groups meet in <= 1 rank
-            }
-          }
-        }
-        INFO("world " << world << ", tp " << tp << ", cp " << cp << ", pp " << pp);
-        REQUIRE(ok);
-       }
+  for_each_layout(512, [&](int64_t world, int64_t tp, int64_t pp, int64_t cp) {
+    ++layouts;
+    RankLayout layout(world, tp, pp, cp);
+    bool ok = true;
+    const auto index_of = check_partitions(layout, kinds, ok, [&](GroupKind kind, int64_t r, int64_t first_rank) {
+      const RankCoord c = layout.coord(r), first = layout.coord(first_rank);
+      return layout.rank_of(c) == r && (kind == GroupKind::kTensor || c.tp == first.tp) &&
+             (kind == GroupKind::kData || kind == GroupKind::kDataContext || c.dp == first.dp) &&
+             (kind == GroupKind::kPipeline || c.pp == first.pp) &&
+             (kind == GroupKind::kContext || kind == GroupKind::kDataContext || c.cp == first.cp);
+    });
+    for (int64_t r = 0; r < world; ++r) {
+      // The DP x CP group holds this rank's whole DP group and whole CP group.
+      const auto both = layout.group_ranks(GroupKind::kDataContext, r);
+      for (GroupKind part : {GroupKind::kData, GroupKind::kContext}) {
+        for (int64_t m : layout.group_ranks(part, r)) ok &= std::count(both.begin(), both.end(), m) == 1;
       }
     }
-  }
+    ok &= orthogonal(index_of, kSingle);
+    INFO("world " << world << ", tp " << tp << ", cp " << cp << ", pp " << pp);
+    REQUIRE(ok);
+  });
   CHECK(layouts > 20000);
 }
 
@@ -167,64 +198,31 @@ TEST_CASE("rank layout invariants for every valid world <= 512", "[layout]") {
 // ep * etp * edp = tp * cp * dp, the three kinds meet in at most one rank, and expert
 // coordinates round-trip.
 TEST_CASE("expert layout invariants for every valid world <= 64", "[layout]") {
-  const GroupKind kinds[] = {GroupKind::kExpert, GroupKind::kExpertTensor, GroupKind::kExpertData};
+  const std::vector<GroupKind> kinds{GroupKind::kExpert, GroupKind::kExpertTensor, GroupKind::kExpertData};
   int64_t layouts = 0;
-  for (int64_t world = 1; world <= 64; ++world) {
-    for (int64_t tp = 1; tp <= world; ++tp) {
-      if (world % tp) continue;
-      for (int64_t pp = 1; pp <= world / tp; ++pp) {
-        if ((world / tp) % pp) continue;
-        for (int64_t cp = 1; cp <= world / (tp * pp); ++cp) {
-          if ((world / (tp * pp)) % cp) continue;
-          const int64_t stage = world / pp;
-          for (int64_t ep = 1; ep <= stage; ++ep) {
-            if (stage % ep) continue;
-            for (int64_t etp = 1; etp <= stage / ep; ++etp) {
-              if ((stage / ep) % etp) continue;
-              ++layouts;
-              RankLayout layout(world, tp, pp, cp, ep, etp);
-              bool ok = layout.ep_size() * layout.etp_size() * layout.edp_size() ==
-                        layout.tp_size() * layout.cp_size() * layout.dp_size();
-              std::vector<std::vector<int64_t>> index_of(3, std::vector<int64_t>(world, -1));
-              for (int k = 0; k < 3; ++k) {
-                const auto groups = layout.groups(kinds[k]);
-                ok &= static_cast<int64_t>(groups.size()) * layout.size(kinds[k]) == world;
-                for (size_t g = 0; g < groups.size(); ++g) {
-                  ok &= static_cast<int64_t>(groups[g].size()) == layout.size(kinds[k]);
-                  ok &= std::is_sorted(groups[g].begin(), groups[g].end());
-                  const ExpertCoord first = layout.expert_coord(groups[g][0]);
-                  for (int64_t r : groups[g]) {
-                    ok &= index_of[k][r] == -1;  // in no other group of this kind
-                    index_of[k][r] = static_cast<int64_t>(g);
-                    ok &= layout.group_index(kinds[k], r) == static_cast<int64_t>(g);
-                    const ExpertCoord e = layout.expert_coord(r);
-                    ok &= layout.expert_rank_of(e) == r;
-                    ok &= e.pp == layout.coord(r).pp;  // inside one pipeline stage
-                    ok &= e.pp == first.pp;
-                    ok &= kinds[k] == GroupKind::kExpert || e.ep == first.ep;
-                    ok &= kinds[k] == GroupKind::kExpertTensor || e.etp == first.etp;
-                    ok &= kinds[k] == GroupKind::kExpertData || e.edp == first.edp;
-                  }
-                }
-              }
-              for (int a = 0; a < 3; ++a) {
-                for (int b = a + 1; b < 3; ++b) {
-                  std::set<std::pair<int64_t, int64_t>> seen;
-                  for (int64_t r = 0; r < world; ++r) {
-                    ok &= index_of[a][r] >= 0;
-                    ok &= seen.insert({index_of[a][r], index_of[b][r]}).second;  // groups meet in <= 1 rank
-                  }
-                }
-              }
-              INFO("world " << world << ", tp " << tp << ", cp " << cp << ", pp " << pp << ", ep " << ep << ", etp "
-                            << etp);
-              REQUIRE(ok);
-            }
-          }
-        }
+  for_each_layout(64, [&](int64_t world, int64_t tp, int64_t pp, int64_t cp) {
+    const int64_t stage = world / pp;
+    for (int64_t ep = 1; ep <= stage; ++ep) {
+      if (stage % ep) continue;
+      for (int64_t etp = 1; etp <= stage / ep; ++etp) {
+        if ((stage / ep) % etp) continue;
+        ++layouts;
+        RankLayout layout(world, tp, pp, cp, ep, etp);
+        bool ok = layout.ep_size() * layout.etp_size() * layout.edp_size() ==
+                  layout.tp_size() * layout.cp_size() * layout.dp_size();
+        const auto index_of = check_partitions(layout, kinds, ok, [&](GroupKind kind, int64_t r, int64_t first_rank) {
+          const ExpertCoord e = layout.expert_coord(r), first = layout.expert_coord(first_rank);
+          return layout.expert_rank_of(e) == r && e.pp == layout.coord(r).pp  // inside one pipeline stage
+                 && e.pp == first.pp && (kind == GroupKind::kExpert || e.ep == first.ep) &&
+                 (kind == GroupKind::kExpertTensor || e.etp == first.etp) &&
+                 (kind == GroupKind::kExpertData || e.edp == first.edp);
+        });
+        ok &= orthogonal(index_of, kinds.size());
+        INFO("world " << world << ", tp " << tp << ", cp " << cp << ", pp " << pp << ", ep " << ep << ", etp " << etp);
+        REQUIRE(ok);
       }
     }
-  }
+  });
   CHECK(layouts > 5000);
 }
 
