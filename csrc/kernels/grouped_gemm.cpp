@@ -26,13 +26,13 @@ at::Tensor grouped_gemm(const at::Tensor& input, const at::Tensor& weight, const
   const int64_t esize = input.element_size();
   const bool aligned = (weight.size(1) * esize) % 16 == 0 && (weight.size(2) * esize) % 16 == 0;
   if (!grouped || !aligned) {
+    // split/unbind, not narrow/select: their backward gathers the pieces once, where a
+    // select's would write a zero-filled gradient of the whole weight per expert.
+    const auto rows = input.split_with_sizes(counts, 0);
+    const auto weights = weight.unbind(0);
     std::vector<at::Tensor> out;
     out.reserve(counts.size());
-    int64_t at = 0;
-    for (size_t g = 0; g < counts.size(); ++g) {
-      out.push_back(at::mm(input.narrow(0, at, counts[g]), weight.select(0, static_cast<int64_t>(g))));
-      at += counts[g];
-    }
+    for (size_t g = 0; g < counts.size(); ++g) out.push_back(at::mm(rows[g], weights[g]));
     return out.empty() ? at::empty({0, weight.size(2)}, input.options()) : at::cat(out, 0);
   }
   // _grouped_mm takes each group's end row (int32, on the operands' device).
