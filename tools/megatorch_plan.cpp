@@ -1,7 +1,8 @@
-// megatorch-plan: predicts per-GPU memory and step time of every TP/CP/PP/DP/ZeRO/micro-batch/
+// megatorch-plan: predicts per-GPU memory and step time of every TP/CP/PP/DP/EP/ZeRO/micro-batch/
 // recompute/SP layout of a model on a cluster, rejects those that do not fit and ranks the rest.
 //
 //   megatorch-plan --model gpt3-175b --nodes 128 --global-batch-size 1536 [--json] [--explain]
+//   megatorch-plan --model llama3-8b --num-experts 8 --moe-router-topk 2 --nodes 8 ...  # experts
 //   megatorch-plan --calibrate calib.json          # time this machine's GEMMs (and collectives)
 //   megatorch-plan --model llama3-8b --nodes 1 --calibration calib.json
 #include <CLI/CLI.hpp>
@@ -28,9 +29,15 @@ struct Args {
   int zero = -1;
   bool json = false, explain = false, megatorch_activations = false, math_attention = false, flash_attention = false;
   double mask_bytes = 1;
+  // Mixture of experts (Megatron's flags; 0 experts: dense).
+  int64_t num_experts = 0, topk = 2, moe_ffn = 0, moe_layer_freq = 1, moe_first_k_dense = 0, moe_shared = 0;
+  int64_t ep = 0, etp = 1;
+  std::string dispatcher = "alltoall";
+  double imbalance_margin = 1.0;
 };
 
 double gb(double bytes) { return bytes / 1e9; }
+double mb(double bytes) { return bytes / 1e6; }
 
 json layout_json(const mp::Layout& l) {
   return {{"tensor_model_parallel_size", l.tp}, {"pipeline_model_parallel_size", l.pp}, {"data_parallel_size", l.dp},
@@ -52,6 +59,119 @@ json time_json(const mp::TimeBreakdown& t) {
           {"bubble_s", t.bubble}, {"dp_comm_s", t.dp_comm}, {"pipeline_s", t.pipeline}, {"step_s", t.step},
           {"bubble_fraction", t.bubble_fraction}, {"peak_inflight_chunks", t.peak_inflight_chunks},
           {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}};
+}
+
+// Mixture of experts: what the model's experts are, and for each layout the expert layout,
+// the rank's expert parameters and states, and its token dispatch. Dense models print none
+// of it, so their output is what it was before experts existed.
+json moe_model_json(const mp::ModelSpec& m) {
+  return {{"num_experts", m.num_experts}, {"moe_router_topk", m.moe_router_topk}, {"moe_ffn_hidden_size", m.moe_ffn()},
+          {"moe_layer_freq", m.moe_layer_freq}, {"moe_first_k_dense", m.moe_first_k_dense},
+          {"moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size},
+          {"moe_token_dispatcher_type", megatorch::transformer::to_string(m.moe_token_dispatcher)},
+          {"moe_imbalance_margin", m.moe_imbalance_margin}, {"num_moe_layers", mp::num_moe_layers(m)},
+          {"expert_parameters", mp::expert_params(m)}, {"active_parameters", mp::active_params(m)}};
+}
+
+// The MoE layers of the stage with the most of them: the dispatch per step runs on those.
+int64_t most_moe_layers(const mp::ModelSpec& m, const mp::Layout& l) {
+  int64_t most = 0;
+  for (int64_t r = 0; r < l.pp; ++r) most = std::max(most, mp::stage_layer_counts(m, l.pp, l.vpp, r).moe);
+  return most;
+}
+
+void add_moe_json(json& entry, const mp::PlanRequest& r, const mp::Candidate& c) {
+  const mp::Layout& l = c.layout;
+  entry["layout"]["expert_model_parallel_size"] = l.ep;
+  entry["layout"]["expert_tensor_parallel_size"] = 1;
+  entry["layout"]["expert_data_parallel_size"] = l.edp();
+  auto& mem = entry["memory"];
+  mem["dense_parameters"] = c.memory.dense_parameters;
+  mem["expert_parameters"] = c.memory.expert_parameters;
+  mem["expert_param_bytes"] = c.memory.expert_states.param_bytes;
+  mem["expert_grad_bytes"] = c.memory.expert_states.grad_bytes;
+  mem["expert_master_param_bytes"] = c.memory.expert_states.master_param_bytes;
+  mem["expert_master_grad_bytes"] = c.memory.expert_states.master_grad_bytes;
+  mem["expert_optimizer_state_bytes"] = c.memory.expert_states.optimizer_state_bytes;
+  entry["time"]["ep_comm_s"] = c.time.ep_comm;
+  entry["time"]["expert_dp_comm_s"] = c.time.expert_dp_comm;
+  const mp::MoeTraffic tr = mp::moe_traffic_per_layer(r.model, l, r.cluster, r.calibration, r.precision);
+  const double per_step = static_cast<double>(most_moe_layers(r.model, l) * l.num_microbatches(r.global_batch)) *
+                          (tr.dispatch.forward_bytes * (tr.dispatch.recompute_repeats ? 2 : 1) +
+                           tr.dispatch.backward_bytes);
+  entry["moe"] = {{"tokens_per_rank", tr.dispatch.tokens}, {"routed_rows_per_rank", tr.dispatch.routed_rows},
+                  {"busiest_rank_expert_rows", tr.dispatch.expert_rows},
+                  {"moe_imbalance_margin", mp::effective_imbalance_margin(r.model, l.ep)},
+                  {"moe_dispatch_forward_bytes", tr.dispatch.forward_bytes},
+                  {"moe_dispatch_backward_bytes", tr.dispatch.backward_bytes},
+                  {"moe_dispatch_bytes_per_step", per_step}, {"moe_a2a_s", c.time.ep_comm},
+                  {"dispatch_intra_node", tr.intra_node},
+                  {"activation_bytes_per_moe_layer",
+                   mp::moe_activation_bytes_per_layer(r.model, l, mp::memory_options(r).activations)}};
+}
+
+void print_moe_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
+  const mp::ModelSpec& m = r.model;
+  const mp::Layout& l = c.layout;
+  std::printf("mixture of experts: %lld experts, top-%lld, in %lld of %lld layers; expert FFN %lld (%s), shared "
+              "expert %lld; %s dispatcher, imbalance margin %.2f (%.2f in effect at EP=%lld)\n",
+              static_cast<long long>(m.num_experts), static_cast<long long>(m.moe_router_topk),
+              static_cast<long long>(mp::num_moe_layers(m)), static_cast<long long>(m.num_layers),
+              static_cast<long long>(m.moe_ffn()), m.swiglu ? "SwiGLU" : "GeLU",
+              static_cast<long long>(m.moe_shared_expert_intermediate_size),
+              megatorch::transformer::to_string(m.moe_token_dispatcher), m.moe_imbalance_margin,
+              mp::effective_imbalance_margin(m, l.ep), static_cast<long long>(l.ep));
+  std::printf("  parameters: %lld in all, %lld in experts, %lld active per token (6 x active = training FLOPs "
+              "per token of the GEMMs)\n",
+              static_cast<long long>(mp::total_params(m)), static_cast<long long>(mp::expert_params(m)),
+              static_cast<long long>(mp::active_params(m)));
+  std::printf("  expert layout: EP=%lld x EDP=%lld over each stage's TP*CP*DP = %lld ranks (expert tensor parallel 1: "
+              "experts whole); %lld of the %lld experts of each MoE layer per EP rank\n",
+              static_cast<long long>(l.ep), static_cast<long long>(l.edp()),
+              static_cast<long long>(l.tp * l.cp * l.dp), static_cast<long long>(m.num_experts / l.ep),
+              static_cast<long long>(m.num_experts));
+  const auto& mem = c.memory;
+  const mp::LayerCounts n = mp::stage_layer_counts(m, l.pp, l.vpp, mem.stage);
+  std::printf("  parameters per rank (stage %lld): %lld dense (ZeRO over DP x CP = %lld) + %lld in experts (%lld MoE "
+              "layers x %lld of %lld experts x %lld; ZeRO over EDP = %lld)\n",
+              static_cast<long long>(mem.stage), static_cast<long long>(mem.dense_parameters),
+              static_cast<long long>(l.dp_cp()), static_cast<long long>(mem.expert_parameters),
+              static_cast<long long>(n.moe), static_cast<long long>(m.num_experts / l.ep),
+              static_cast<long long>(m.num_experts), static_cast<long long>(mp::params_per_expert(m)),
+              static_cast<long long>(l.edp()));
+  std::printf("  expert states per rank: params %.2f GB, grads %.2f GB, master params %.2f GB, master grads %.2f GB, "
+              "optimizer states %.2f GB\n",
+              gb(mem.expert_states.param_bytes), gb(mem.expert_states.grad_bytes),
+              gb(mem.expert_states.master_param_bytes), gb(mem.expert_states.master_grad_bytes),
+              gb(mem.expert_states.optimizer_state_bytes));
+  const mp::MoeTraffic tr = mp::moe_traffic_per_layer(m, l, r.cluster, r.calibration, r.precision);
+  const auto& d = tr.dispatch;
+  std::printf("  tokens per rank and micro-batch: T = %.0f; routed rows T x k = %.0f; the busiest rank's experts "
+              "process T x k x margin = %.0f rows\n",
+              d.tokens, d.routed_rows, d.expert_rows);
+  const mp::MemoryOptions mo = mp::memory_options(r);
+  std::printf("  activations per layer and micro-batch: MoE layer %.3f GB, dense layer %.3f GB\n",
+              gb(mp::moe_activation_bytes_per_layer(m, l, mo.activations)),
+              gb(mp::activation_bytes_per_layer(m, l, mo.activations)));
+  if (l.ep == 1) {
+    std::printf("  dispatch: none (EP=1: every expert on every rank)\n");
+    return;
+  }
+  const char* link = tr.intra_node ? "NVLink" : "the network";
+  std::printf("  dispatch per MoE layer and micro-batch, one rank sends: forward %.2f MB, backward %.2f MB (%s), over "
+              "%s; %.3f ms + %.3f ms, not overlapped\n",
+              mb(d.forward_bytes), mb(d.backward_bytes),
+              m.moe_token_dispatcher == mp::TokenDispatcher::kAllToAll
+                  ? "all-to-all: dispatch + combine, (ep-1)/ep of T x k x margin rows each"
+                  : "all-gather of tokens, weights, selections + reduce-scatter of outputs",
+              link, 1e3 * tr.forward_s, 1e3 * tr.backward_s);
+  const int64_t layers = most_moe_layers(m, l), micro = l.num_microbatches(r.global_batch);
+  const double per = static_cast<double>(layers * micro);
+  std::printf("  dispatch per step (%lld MoE layers x %lld micro-batches): forward %.2f GB, backward %.2f GB",
+              static_cast<long long>(layers), static_cast<long long>(micro), gb(per * d.forward_bytes),
+              gb(per * d.backward_bytes));
+  if (d.recompute_repeats) std::printf(", recompute %.2f GB (the forward's again)", gb(per * d.forward_bytes));
+  std::printf("\n");
 }
 
 // What context parallelism does to the best layout: each rank's share of the sequence, its
@@ -120,11 +240,20 @@ void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
               t.recompute, t.tp_comm);
   if (c.layout.cp > 1)
     std::printf("  CP comm           %9.3f s  (exposed: not hidden under attention)\n", t.cp_comm);
+  if (r.model.is_moe())
+    std::printf("  EP comm           %9.3f s  (token dispatch and combine, not overlapped)\n", t.ep_comm);
   std::printf("  pipeline p2p      %9.3f s\n  pipeline bubble   %9.3f s  (simulated: %.4f of busy time)\n", t.p2p, t.bubble,
               t.bubble_fraction);
-  std::printf("  DP/ZeRO comm      %9.3f s%s\ncalibration: %s\n", t.dp_comm,
-              c.layout.cp > 1 ? "  (gradients reduced over DP x CP)" : "", r.calibration.source.c_str());
+  if (r.model.is_moe()) {
+    std::printf("  DP/ZeRO comm      %9.3f s  (dense gradients over DP x CP, experts' %.3f s over expert-DP)\n"
+                "calibration: %s\n",
+                t.dp_comm, t.expert_dp_comm, r.calibration.source.c_str());
+  } else {
+    std::printf("  DP/ZeRO comm      %9.3f s%s\ncalibration: %s\n", t.dp_comm,
+                c.layout.cp > 1 ? "  (gradients reduced over DP x CP)" : "", r.calibration.source.c_str());
+  }
   if (c.layout.cp > 1) print_cp_explain(r, c);
+  if (r.model.is_moe()) print_moe_explain(r, c);
 }
 
 int run_plan(const Args& a, mp::PlanRequest r) {
@@ -137,6 +266,7 @@ int run_plan(const Args& a, mp::PlanRequest r) {
                   {"num_attention_heads", r.model.num_attention_heads}, {"num_query_groups", r.model.query_groups()},
                   {"ffn_hidden_size", r.model.ffn()}, {"vocab_size", r.model.vocab_size}, {"seq_length", r.model.seq_length},
                   {"parameters", mp::total_params(r.model)}};
+    if (r.model.is_moe()) j["model"].update(moe_model_json(r.model));
     j["cluster"] = {{"gpus", r.cluster.gpus()}, {"gpus_per_node", r.cluster.gpus_per_node}, {"nodes", r.cluster.nodes},
                     {"gpu_memory_gb", r.cluster.gpu_memory_gb}, {"peak_tflops", r.cluster.peak_tflops}};
     j["calibration"] = mp::to_json(r.calibration);
@@ -148,14 +278,21 @@ int run_plan(const Args& a, mp::PlanRequest r) {
     j["top"] = json::array();
     for (size_t i = 0; i < n; ++i) {
       const auto& c = res.ranked[i];
-      j["top"].push_back({{"rank", i + 1}, {"layout", layout_json(c.layout)}, {"memory", memory_json(c.memory)},
-                          {"time", time_json(c.time)}, {"why_lost", mp::why_lost(c, best)}});
+      json entry = {{"rank", i + 1}, {"layout", layout_json(c.layout)}, {"memory", memory_json(c.memory)},
+                    {"time", time_json(c.time)}, {"why_lost", mp::why_lost(c, best)}};
+      if (r.model.is_moe()) add_moe_json(entry, r, c);
+      j["top"].push_back(std::move(entry));
     }
     std::cout << j.dump() << std::endl;
     return 0;
   }
-  std::printf("%s: %lld parameters on %lld GPUs (%lld x %lld), global batch %lld, %s\n", r.model.name.c_str(),
-              static_cast<long long>(mp::total_params(r.model)), static_cast<long long>(r.cluster.gpus()),
+  const std::string experts =
+      r.model.is_moe() ? " (" + std::to_string(mp::expert_params(r.model)) + " in experts, " +
+                             std::to_string(r.model.num_experts) + " per MoE layer; " +
+                             std::to_string(mp::active_params(r.model)) + " active per token)"
+                       : "";
+  std::printf("%s: %lld parameters%s on %lld GPUs (%lld x %lld), global batch %lld, %s\n", r.model.name.c_str(),
+              static_cast<long long>(mp::total_params(r.model)), experts.c_str(), static_cast<long long>(r.cluster.gpus()),
               static_cast<long long>(r.cluster.nodes), static_cast<long long>(r.cluster.gpus_per_node),
               static_cast<long long>(r.global_batch), mp::to_string(r.precision));
   std::printf("%lld layouts considered, %lld do not fit in %.0f GB, %zu fit; the fastest %zu:\n",
@@ -246,6 +383,26 @@ int main(int argc, char** argv) {
   app.add_flag("--flash-attention", a.flash_attention,
                "attention keeps no s x s scores, as megatorch's runs without attention dropout and under CP "
                "(flash SDPA, ring attention, Ulysses): a log-sum-exp per query instead");
+  app.add_option("--num-experts", a.num_experts, "experts per MoE layer; 0: a dense model")->capture_default_str();
+  app.add_option("--moe-router-topk", a.topk, "experts per token")->capture_default_str();
+  app.add_option("--moe-ffn-hidden-size", a.moe_ffn, "each expert's hidden size; 0: --ffn-hidden-size")
+      ->capture_default_str();
+  app.add_option("--moe-layer-freq", a.moe_layer_freq, "every N-th layer (0, N, 2N, ...) is an MoE layer")
+      ->capture_default_str();
+  app.add_option("--moe-first-k-dense", a.moe_first_k_dense, "the first K layers stay dense (DeepSeek)")
+      ->capture_default_str();
+  app.add_option("--moe-shared-expert-intermediate-size", a.moe_shared,
+                 "hidden size of the shared expert every token passes through; 0: none")
+      ->capture_default_str();
+  app.add_option("--moe-token-dispatcher-type", a.dispatcher, "alltoall or allgather")->capture_default_str();
+  app.add_option("--moe-imbalance-margin", a.imbalance_margin,
+                 "planning assumption >= 1: the busiest expert-parallel rank receives this times the mean routed "
+                 "rows (its expert compute, activations and all-to-all bytes)")
+      ->capture_default_str();
+  app.add_option("--expert-model-parallel-size", a.ep,
+                 "EP size: ranks each MoE layer's experts are spread over, inside TP x CP x DP (default: searched)");
+  app.add_option("--expert-tensor-parallel-size", a.etp, "only 1: every expert whole on its rank")
+      ->capture_default_str();
   app.add_option("--top", a.top, "layouts to list")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object");
   app.add_flag("--explain", a.explain, "print the full memory and time breakdown of the best layout");
@@ -273,6 +430,14 @@ int main(int argc, char** argv) {
     if (a.vocab) m.vocab_size = a.vocab;
     if (a.seq) m.seq_length = a.seq;
     m.make_vocab_size_divisible_by = a.divisible_by;
+    m.num_experts = a.num_experts, m.moe_router_topk = a.topk, m.moe_ffn_hidden_size = a.moe_ffn;
+    m.moe_layer_freq = a.moe_layer_freq, m.moe_first_k_dense = a.moe_first_k_dense;
+    m.moe_shared_expert_intermediate_size = a.moe_shared;
+    m.moe_token_dispatcher = megatorch::transformer::parse_token_dispatcher(a.dispatcher);
+    m.moe_imbalance_margin = a.imbalance_margin;
+    MEGATORCH_CHECK(a.etp == 1, "--expert-tensor-parallel-size ", a.etp, " is not supported: megatorch keeps every "
+                    "expert whole on its rank (expert tensor parallel size 1); spread the experts with "
+                    "--expert-model-parallel-size instead");
     if (a.model.empty()) {
       namespace tf = megatorch::transformer;
       m.swiglu = a.swiglu, m.rms_norm = tf::parse_normalization(a.normalization) == tf::Normalization::kRMSNorm;
@@ -290,6 +455,7 @@ int main(int argc, char** argv) {
     if (!a.calibration.empty()) r.calibration = mp::load_calibration(a.calibration);
     if (a.tp) r.tp = a.tp;
     if (a.cp) r.cp = a.cp;
+    if (a.ep) r.ep = a.ep;
     r.cp_comm_type = mp::parse_cp_comm_type(a.cp_comm);
     if (a.pp) r.pp = a.pp;
     if (a.dp) r.dp = a.dp;

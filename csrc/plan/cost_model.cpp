@@ -84,6 +84,7 @@ struct LayerCost {
   double selective = 0;      // the attention core again (selective recompute)
   double tp_fwd = 0;         // the forward's two TP collectives (backward has two more)
   CpTraffic cp;              // the CP exchange (zero at cp = 1)
+  MoeTraffic ep;             // an MoE layer's token dispatch (zero in a dense layer)
 };
 
 // Per CP rank: a CP rank runs every GEMM and the attention core on its S/c tokens (its
@@ -115,10 +116,59 @@ LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   return lc;
 }
 
+// An MoE layer per rank: the attention half and the shared expert (a TP MLP) as the dense
+// GEMMs (/ t, / c); the router on the rank's T tokens and the experts' GEMMs on the busiest
+// rank's T k margin rows, whole experts (inner width h): / t only under SP, as without it
+// every TP rank routes the same tokens; the memory-bound share over what the MoE layer
+// saves. TP collectives: the attention's, and the shared expert's when there is one; the
+// routed experts need none.
+LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
+  LayerCost lc = layer_cost(m, l, c, k, p);  // the attention core, the CP exchange, one TP collective pair
+  const double t = static_cast<double>(l.tp), cp = static_cast<double>(l.cp), peak = c.peak_tflops * 1e12;
+  const double eff = k.matmul_efficiency_at(static_cast<double>(m.hidden_size) / t);
+  const double eff_experts = k.matmul_efficiency_at(static_cast<double>(m.hidden_size));
+  const LayerFlops f = moe_layer_forward_flops(m, l.micro_batch);
+  ActivationOptions paper;
+  paper.activation_bytes = static_cast<double>(activation_dtype_bytes(p));
+  Layout none = l;
+  none.recompute = Recompute::kNone;
+  const double traffic = moe_activation_bytes_per_layer(m, none, paper);
+  const double margin = effective_imbalance_margin(m, l.ep);
+  const double routed_t = l.sequence_parallel ? t : 1.0;  // the TP ranks that share the routing
+  const double router = 2.0 * l.micro_batch * m.seq_length * m.hidden_size * static_cast<double>(m.num_experts);
+  lc.compute_fwd = (f.weights - router + f.attention) / t / cp / (peak * eff) +
+                   (router + f.experts * margin) / routed_t / cp / (peak * eff_experts) +
+                   k.memory_bound_passes * traffic / (c.memory_bandwidth_gbps * 1e9);
+  if (m.moe_shared_expert_intermediate_size == 0) lc.tp_fwd /= 2;
+  lc.ep = moe_traffic_per_layer(m, l, c, k, p);
+  return lc;
+}
+
 struct StageCost {
-  double compute = 0, recompute = 0, tp = 0, cp = 0, p2p = 0;  // per micro-batch, slowest stage
+  double compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, p2p = 0;  // per micro-batch, slowest stage
   double chunk_forward = 0, chunk_backward = 0;
 };
+
+// One layer's seconds in a chunk's forward and backward, and its shares of the totals.
+struct LayerTimes {
+  double forward = 0, backward = 0, compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0;
+};
+LayerTimes layer_times(const LayerCost& lc, Recompute r) {
+  double rec = 0, rec_tp = 0;
+  if (r == Recompute::kFull) rec = lc.compute_fwd, rec_tp = lc.tp_fwd;
+  if (r == Recompute::kSelective) rec = lc.selective;
+  const double cp_fwd = lc.cp.exposed_forward_s, cp_bwd = lc.cp.exposed_backward_s + lc.cp.exposed_recompute_s;
+  const double ep_fwd = lc.ep.forward_s, ep_bwd = lc.ep.backward_s + lc.ep.recompute_s;
+  LayerTimes lt;
+  lt.forward = lc.compute_fwd + lc.tp_fwd + cp_fwd + ep_fwd;
+  lt.backward = 2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp + cp_bwd + ep_bwd;
+  lt.compute = 3 * lc.compute_fwd + rec;
+  lt.recompute = rec;
+  lt.tp = 2 * lc.tp_fwd + rec_tp;
+  lt.cp = cp_fwd + cp_bwd;
+  lt.ep = ep_fwd + ep_bwd;
+  return lt;
+}
 
 StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
   const LayerCost lc = layer_cost(m, l, c, k, p);
@@ -141,13 +191,42 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   }
   const double cp_fwd = lc.cp.exposed_forward_s, cp_bwd = lc.cp.exposed_backward_s + lc.cp.exposed_recompute_s;
   StageCost s;
-  s.chunk_forward = layers_per_chunk * (lc.compute_fwd + lc.tp_fwd + cp_fwd) + head / v + p2p;
-  s.chunk_backward = layers_per_chunk * (2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp + cp_bwd) + 2 * head / v + p2p;
-  const double layers = layers_per_chunk * v;
-  s.compute = layers * (3 * lc.compute_fwd + rec) + 3 * head;
-  s.recompute = layers * rec;
-  s.tp = layers * (2 * lc.tp_fwd + rec_tp);
-  s.cp = layers * (cp_fwd + cp_bwd);
+  if (!m.is_moe()) {
+    s.chunk_forward = layers_per_chunk * (lc.compute_fwd + lc.tp_fwd + cp_fwd) + head / v + p2p;
+    s.chunk_backward = layers_per_chunk * (2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp + cp_bwd) + 2 * head / v + p2p;
+    const double layers = layers_per_chunk * v;
+    s.compute = layers * (3 * lc.compute_fwd + rec) + 3 * head;
+    s.recompute = layers * rec;
+    s.tp = layers * (2 * lc.tp_fwd + rec_tp);
+    s.cp = layers * (cp_fwd + cp_bwd);
+    s.p2p = 2 * v * p2p;
+    return s;
+  }
+  // Chunks differ in their MoE layers: the simulator runs the slowest chunk of any stage on
+  // every stage, and the totals are those of the slowest stage.
+  const LayerTimes d = layer_times(lc, l.recompute), e = layer_times(moe_layer_cost(m, l, c, k, p), l.recompute);
+  const auto sum = [&](const LayerCounts& n, double LayerTimes::*part) {
+    return static_cast<double>(n.dense) * (d.*part) + static_cast<double>(n.moe) * (e.*part);
+  };
+  double slowest_chunk = -1, slowest_stage = -1;
+  for (int64_t r = 0; r < l.pp; ++r) {
+    for (int64_t ch = 0; ch < l.vpp; ++ch) {
+      const LayerCounts n = chunk_layer_counts(m, l.pp, l.vpp, r, ch);
+      const double f = sum(n, &LayerTimes::forward), b = sum(n, &LayerTimes::backward);
+      if (f + b > slowest_chunk) slowest_chunk = f + b, s.chunk_forward = f, s.chunk_backward = b;
+    }
+    const LayerCounts n = stage_layer_counts(m, l.pp, l.vpp, r);
+    const double busy = sum(n, &LayerTimes::forward) + sum(n, &LayerTimes::backward);
+    if (busy <= slowest_stage) continue;
+    slowest_stage = busy;
+    s.compute = sum(n, &LayerTimes::compute) + 3 * head;
+    s.recompute = sum(n, &LayerTimes::recompute);
+    s.tp = sum(n, &LayerTimes::tp);
+    s.cp = sum(n, &LayerTimes::cp);
+    s.ep = sum(n, &LayerTimes::ep);
+  }
+  s.chunk_forward += head / v + p2p;
+  s.chunk_backward += 2 * head / v + p2p;
   s.p2p = 2 * v * p2p;
   return s;
 }
@@ -180,6 +259,18 @@ CpTraffic cp_traffic_per_layer(const ModelSpec& m, const Layout& l, const Cluste
     tr.recompute_repeats = l.recompute == Recompute::kFull;
   }
   if (tr.recompute_repeats) tr.exposed_recompute_s = tr.exposed_forward_s;
+  return tr;
+}
+
+MoeTraffic moe_traffic_per_layer(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k,
+                                 Precision p) {
+  MoeTraffic tr;
+  tr.dispatch = moe_dispatch(m, l, static_cast<double>(activation_dtype_bytes(p)));
+  tr.intra_node = l.ep <= c.gpus_per_node;  // the EP group: ep consecutive ranks
+  const double bw = tr.intra_node ? intra_bw(c, k) : inter_bw(c, k);
+  tr.forward_s = tr.dispatch.forward_bytes / bw;
+  tr.backward_s = tr.dispatch.backward_bytes / bw;
+  if (tr.dispatch.recompute_repeats) tr.recompute_s = tr.forward_s;
   return tr;
 }
 
@@ -217,6 +308,7 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   t.recompute = mb * s.recompute;
   t.tp_comm = mb * s.tp;
   t.cp_comm = mb * s.cp;
+  t.ep_comm = mb * s.ep;
   t.p2p = mb * s.p2p;
   // The simulator ran the slowest stage's costs on every stage, in ticks; its bubble (idle /
   // busy) turns the busy seconds into the makespan.
@@ -229,11 +321,18 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   // Gradient reduction after the last backward: reduce-scatter + all-gather (or all-reduce)
   // of the stage's gradients, 1.5x with ZeRO-3's parameter gathers (docs/reference.md).
   int64_t params = 0;
-  for (int64_t r : {int64_t{0}, l.pp - 1}) params = std::max(params, params_per_rank(m, l.tp, l.pp, r));
+  for (int64_t r : {int64_t{0}, l.pp - 1}) params = std::max(params, dense_params_per_rank(m, l, r));
   // Parameters are replicated over CP: the gradients are reduced over DP x CP.
   const double grad_bytes = static_cast<double>(params) * precision_bytes(o.precision).grad;
   const double bw = l.tp * l.cp * l.dp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
   t.dp_comm = ring_allreduce_s(grad_bytes, l.dp_cp(), bw) * (l.zero_stage == 3 ? 1.5 : 1.0);
+  if (m.is_moe()) {
+    // The experts' gradients, reduced by their own optimizer over expert-DP (inside the stage).
+    int64_t experts = 0;
+    for (int64_t r = 0; r < l.pp; ++r) experts = std::max(experts, expert_params_per_rank(m, l, r));
+    t.expert_dp_comm = ring_allreduce_s(static_cast<double>(experts) * precision_bytes(o.precision).grad, l.edp(), bw);
+    t.dp_comm += t.expert_dp_comm;
+  }
   t.step = t.pipeline + t.dp_comm;
   const double gpus = static_cast<double>(l.gpus());
   t.tflops_per_gpu = flops_per_iteration(m, global_batch, l.recompute) / t.step / gpus / 1e12;

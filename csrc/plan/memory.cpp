@@ -4,6 +4,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/pipeline/simulator.h"
+#include "megatorch/plan/moe.h"
 
 namespace megatorch::plan {
 
@@ -31,16 +32,31 @@ StateBytes zero_state_bytes(double n, int64_t dp, int stage, Precision precision
   return s;
 }
 
+StateBytes expert_zero_bytes_per_rank(const ModelSpec& m, const Layout& l, Precision precision, int64_t pp_rank) {
+  const int64_t n = expert_params_per_rank(m, l, pp_rank);
+  if (n == 0) return {};
+  MEGATORCH_CHECK(l.zero_stage <= 2, "expert parameters: ZeRO-3 does not shard them (TrainingLoop refuses it with ",
+                  "experts), got ZeRO-", l.zero_stage, "; use --zero-stage 1 or 2");
+  return zero_state_bytes(static_cast<double>(n), l.edp(), l.zero_stage, precision);
+}
+
 StateBytes zero_bytes_per_rank(const ModelSpec& m, const Layout& l, Precision precision, int64_t pp_rank) {
-  return zero_state_bytes(static_cast<double>(params_per_rank(m, l.tp, l.pp, pp_rank)), l.dp_cp(), l.zero_stage,
-                          precision);
+  StateBytes s = zero_state_bytes(static_cast<double>(dense_params_per_rank(m, l, pp_rank)), l.dp_cp(), l.zero_stage,
+                                  precision);
+  if (!m.is_moe()) return s;
+  // Two optimizers: the dense one over DP x CP, the experts' over expert-DP.
+  const StateBytes e = expert_zero_bytes_per_rank(m, l, precision, pp_rank);
+  s.param_bytes += e.param_bytes, s.grad_bytes += e.grad_bytes, s.master_param_bytes += e.master_param_bytes;
+  s.master_grad_bytes += e.master_grad_bytes, s.optimizer_state_bytes += e.optimizer_state_bytes;
+  return s;
 }
 
 namespace {
 // `cp` ranks share the sequence: a rank keeps s/cp tokens of every [s, b, h] tensor and s/cp
 // query rows of the [b, a, s, s] scores (see the header for a2a).
+// `ffn`: the width of the layer's TP MLP (an MoE layer's shared expert; 0: none).
 double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
-                              const ActivationOptions& o, int64_t cp, CpCommType comm) {
+                              const ActivationOptions& o, int64_t cp, CpCommType comm, double ffn) {
   MEGATORCH_CHECK(!(o.flash_attention && o.math_attention),
                   "activation memory: expected at most one attention kernel, got both flash_attention and "
                   "math_attention (--flash-attention and --math-attention); give --flash-attention for SDPA's flash "
@@ -60,7 +76,7 @@ double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp
   // output and the activation's output (8u for GeLU at 4h; SwiGLU keeps gate, up and their
   // product).
   const double qkv = (m.num_attention_heads + 2.0 * m.query_groups()) * m.head_dim() / h;
-  const double mlp = (m.swiglu ? 3.0 : 2.0) * m.ffn() / h;
+  const double mlp = (m.swiglu ? 3.0 : 2.0) * ffn / h;
   bytes += E * (qkv + 1 + mlp) * u / t;
   if (r == Recompute::kNone) {
     if (!o.flash_attention) {
@@ -91,12 +107,21 @@ double layer_activation_bytes(const ModelSpec& m, int64_t b, int64_t tp, bool sp
 
 double activation_bytes_per_layer(const ModelSpec& m, int64_t b, int64_t tp, bool sp, Recompute r,
                                   const ActivationOptions& o) {
-  return layer_activation_bytes(m, b, tp, sp, r, o, 1, CpCommType::kP2P);
+  return layer_activation_bytes(m, b, tp, sp, r, o, 1, CpCommType::kP2P, static_cast<double>(m.ffn()));
 }
 
 double activation_bytes_per_layer(const ModelSpec& m, const Layout& l, const ActivationOptions& o) {
   cp_share(m, l.cp);  // fails unless the sequence splits into 2c chunks
-  return layer_activation_bytes(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o, l.cp, l.cp_comm);
+  return layer_activation_bytes(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o, l.cp, l.cp_comm,
+                                static_cast<double>(m.ffn()));
+}
+
+double moe_activation_bytes_per_layer(const ModelSpec& m, const Layout& l, const ActivationOptions& o) {
+  if (!m.is_moe()) return 0;
+  cp_share(m, l.cp);
+  return layer_activation_bytes(m, l.micro_batch, l.tp, l.sequence_parallel, l.recompute, o, l.cp, l.cp_comm,
+                                static_cast<double>(m.moe_shared_expert_intermediate_size)) +
+         moe_routed_activation_bytes(m, l, o.activation_bytes);
 }
 
 namespace {
@@ -104,16 +129,37 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Layout& l, const MemoryOp
   MemoryBreakdown mem;
   mem.stage = stage;
   mem.states = zero_bytes_per_rank(m, l, o.precision, stage);
+  mem.expert_states = expert_zero_bytes_per_rank(m, l, o.precision, stage);
+  mem.dense_parameters = dense_params_per_rank(m, l, stage);
+  mem.expert_parameters = expert_params_per_rank(m, l, stage);
   const double per_layer = activation_bytes_per_layer(m, l, o.activations);
   // peak_inflight counts chunk activations: a chunk holds L / (pp * vpp) layers.
   const double chunks = static_cast<double>(sim.ranks[stage].peak_inflight);
   mem.inflight_microbatches = chunks / l.vpp;
-  mem.activations = per_layer * chunks * static_cast<double>(m.num_layers / (l.pp * l.vpp));
-  if (l.recompute != Recompute::kNone) {
+  Layout none = l;
+  none.recompute = Recompute::kNone;
+  if (!m.is_moe()) {
+    mem.activations = per_layer * chunks * static_cast<double>(m.num_layers / (l.pp * l.vpp));
     // Backward rebuilds one layer's activations (full) or its attention core (selective).
-    Layout none = l;
-    none.recompute = Recompute::kNone;
-    mem.recompute_working = activation_bytes_per_layer(m, none, o.activations) - per_layer;
+    if (l.recompute != Recompute::kNone)
+      mem.recompute_working = activation_bytes_per_layer(m, none, o.activations) - per_layer;
+  } else {
+    // Chunks of one stage may hold different numbers of MoE layers: the fullest one, in
+    // flight as often as the simulator says (exact at one chunk per stage, a bound beyond).
+    const double per_moe = moe_activation_bytes_per_layer(m, l, o.activations);
+    double fullest = 0;
+    for (int64_t c = 0; c < l.vpp; ++c) {
+      const LayerCounts n = chunk_layer_counts(m, l.pp, l.vpp, stage, c);
+      fullest = std::max(fullest, static_cast<double>(n.dense) * per_layer + static_cast<double>(n.moe) * per_moe);
+    }
+    mem.activations = fullest * chunks;
+    if (l.recompute != Recompute::kNone) {
+      const LayerCounts n = stage_layer_counts(m, l.pp, l.vpp, stage);
+      if (n.dense > 0) mem.recompute_working = activation_bytes_per_layer(m, none, o.activations) - per_layer;
+      if (n.moe > 0)
+        mem.recompute_working =
+            std::max(mem.recompute_working, moe_activation_bytes_per_layer(m, none, o.activations) - per_moe);
+    }
   }
   // Each CP rank computes the loss of its own S/c tokens.
   if (stage == l.pp - 1)
@@ -138,7 +184,13 @@ MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, const pipeli
   MemoryBreakdown first = stage_memory(m, l, o, 0, sim);
   if (l.pp == 1) return first;
   MemoryBreakdown last = stage_memory(m, l, o, l.pp - 1, sim);
-  return last.total() > first.total() ? last : first;
+  MemoryBreakdown fullest = last.total() > first.total() ? last : first;
+  // With experts a middle stage may hold more MoE layers than the first and the last.
+  for (int64_t stage = 1; m.is_moe() && stage + 1 < l.pp; ++stage) {
+    MemoryBreakdown mid = stage_memory(m, l, o, stage, sim);
+    if (mid.total() > fullest.total()) fullest = mid;
+  }
+  return fullest;
 }
 
 }  // namespace megatorch::plan

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/plan/moe.h"
 #include "megatorch/util/enum_names.h"
 
 namespace megatorch::plan {
@@ -25,6 +27,24 @@ void ModelSpec::validate() const {
                   ") divisible by num_attention_heads (", num_attention_heads, ")");
   MEGATORCH_CHECK(num_attention_heads % query_groups() == 0, "model '", name, "': expected num_attention_heads (",
                   num_attention_heads, ") divisible by num_query_groups (", query_groups(), ")");
+  MEGATORCH_CHECK(num_experts >= 0, "model '", name, "': expected --num-experts >= 0 (0: a dense model), got ",
+                  num_experts);
+  if (!is_moe()) return;
+  // The checks TransformerConfig::validate_moe makes of the same fields.
+  MEGATORCH_CHECK(moe_router_topk >= 1 && moe_router_topk <= num_experts, "model '", name,
+                  "': expected --moe-router-topk in [1, ", num_experts, "] (--num-experts), got ", moe_router_topk);
+  MEGATORCH_CHECK(moe_ffn_hidden_size >= 0, "model '", name, "': expected --moe-ffn-hidden-size >= 0 (0: ",
+                  "--ffn-hidden-size), got ", moe_ffn_hidden_size);
+  MEGATORCH_CHECK(moe_layer_freq >= 1, "model '", name, "': expected --moe-layer-freq >= 1 (every N-th layer is an ",
+                  "MoE layer), got ", moe_layer_freq);
+  MEGATORCH_CHECK(moe_first_k_dense >= 0, "model '", name, "': expected --moe-first-k-dense >= 0, got ",
+                  moe_first_k_dense);
+  MEGATORCH_CHECK(moe_shared_expert_intermediate_size >= 0, "model '", name, "': expected ",
+                  "--moe-shared-expert-intermediate-size >= 0 (0: no shared expert), got ",
+                  moe_shared_expert_intermediate_size);
+  MEGATORCH_CHECK(std::isfinite(moe_imbalance_margin) && moe_imbalance_margin >= 1, "model '", name,
+                  "': expected --moe-imbalance-margin >= 1 (the busiest expert-parallel rank receives margin x the "
+                  "mean routed rows; 1: balanced), got ", moe_imbalance_margin);
 }
 
 ModelSpec preset(const std::string& name) {
@@ -59,6 +79,10 @@ ModelSpec from_transformer_config(const transformer::TransformerConfig& c) {
   m.rms_norm = c.normalization() == transformer::Normalization::kRMSNorm;
   m.learned_positions = c.position_embedding_type() == transformer::Positions::kLearned;
   m.add_bias_linear = c.add_bias_linear(), m.add_qkv_bias = c.add_qkv_bias(), m.tie_embeddings = c.tie_embeddings();
+  m.num_experts = c.num_experts(), m.moe_router_topk = c.moe_router_topk(), m.moe_ffn_hidden_size = c.moe_ffn();
+  m.moe_layer_freq = c.moe_layer_freq(), m.moe_first_k_dense = c.moe_first_k_dense();
+  m.moe_shared_expert_intermediate_size = c.moe_shared_expert_intermediate_size();
+  m.moe_token_dispatcher = c.moe_token_dispatcher_type();
   return m;
 }
 
@@ -95,6 +119,7 @@ std::string Layout::str() const {
   os << "TP=" << tp;
   if (cp > 1) os << " CP=" << cp << "(" << to_string(cp_comm) << ")";
   os << " PP=" << pp << " DP=" << dp;
+  if (ep > 1) os << " EP=" << ep;
   if (vpp > 1) os << " VP=" << vpp;
   os << " ZeRO-" << zero_stage << " mb=" << micro_batch << " recompute=" << transformer::to_string(recompute);
   if (sequence_parallel) os << " SP";
@@ -131,6 +156,23 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
     os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
   else if (l.vpp > 1 && l.pp == 1)
     os << "virtual pipeline stages need PP > 1";
+  else if (!m.is_moe() && l.ep != 1)
+    os << "expected --expert-model-parallel-size 1 for a dense model, got EP=" << l.ep
+       << "; give --num-experts to plan a mixture of experts";
+  else if (m.is_moe() && (l.ep < 1 || (l.tp * l.cp * l.dp) % l.ep))
+    os << "EP=" << l.ep << " does not divide the TP*CP*DP = " << l.tp * l.cp * l.dp
+       << " ranks of a pipeline stage, which the experts are spread over; pick an --expert-model-parallel-size "
+          "dividing "
+       << l.tp * l.cp * l.dp;
+  else if (m.is_moe() && m.num_experts % l.ep)
+    os << "EP=" << l.ep << " does not divide the " << m.num_experts
+       << " experts (each EP rank holds num_experts / EP whole experts); pick an --expert-model-parallel-size "
+          "dividing --num-experts";
+  else if (m.is_moe() && l.zero_stage == 3)
+    os << "ZeRO-3 does not shard expert parameters (TrainingLoop refuses it with experts); use --zero-stage 1 or 2";
+  else if (m.is_moe() && m.moe_shared_expert_intermediate_size % l.tp)
+    os << "TP=" << l.tp << " does not divide --moe-shared-expert-intermediate-size ("
+       << m.moe_shared_expert_intermediate_size << "): the shared expert is a tensor-parallel MLP";
   else if (global_batch % (l.micro_batch * l.dp))
     os << "the global batch " << global_batch << " is not divisible by micro-batch * DP = " << l.micro_batch << "*"
        << l.dp;
@@ -153,43 +195,68 @@ int64_t padded_vocab(const ModelSpec& m, int64_t tp) {
 namespace {
 struct LayerShapes {
   int64_t column_weights, column_biases, row_weights, row_biases, norms;
+  int64_t per_tp_rank(int64_t tp) const { return (column_weights + column_biases + row_weights) / tp + row_biases + norms; }
 };
-LayerShapes layer_shapes(const ModelSpec& m) {
+// The attention half (QKV column, output projection row, both norms) and an MLP of width
+// `ffn` (fc1 column, fc2 row): a dense layer is both, an MoE layer's shared expert the second.
+LayerShapes attention_shapes(const ModelSpec& m) {
   const int64_t h = m.hidden_size, qkv = (m.num_attention_heads + 2 * m.query_groups()) * m.head_dim();
-  const int64_t fc1 = m.ffn() * (m.swiglu ? 2 : 1);
   const int64_t bias = m.add_bias_linear ? 1 : 0, qkv_bias = m.add_bias_linear || m.add_qkv_bias ? 1 : 0;
   const int64_t norm = (m.rms_norm || !m.add_bias_linear) ? h : 2 * h;  // LayerNorm's beta follows the biases
-  return {h * qkv + h * fc1, qkv_bias * qkv + bias * fc1, m.num_attention_heads * m.head_dim() * h + m.ffn() * h, bias * 2 * h,
-          2 * norm};
+  return {h * qkv, qkv_bias * qkv, m.num_attention_heads * m.head_dim() * h, bias * h, 2 * norm};
+}
+LayerShapes mlp_shapes(const ModelSpec& m, int64_t ffn) {
+  const int64_t h = m.hidden_size, fc1 = ffn * (m.swiglu ? 2 : 1), bias = m.add_bias_linear ? 1 : 0;
+  return {h * fc1, bias * fc1, ffn * h, bias * h, 0};
+}
+LayerShapes layer_shapes(const ModelSpec& m) {
+  const LayerShapes a = attention_shapes(m), f = mlp_shapes(m, m.ffn());
+  return {a.column_weights + f.column_weights, a.column_biases + f.column_biases, a.row_weights + f.row_weights,
+          a.row_biases + f.row_biases, a.norms};
 }
 int64_t final_norm_params(const ModelSpec& m) { return (m.rms_norm || !m.add_bias_linear) ? m.hidden_size : 2 * m.hidden_size; }
 }  // namespace
 
 int64_t layer_params(const ModelSpec& m) { return layer_params_per_tp_rank(m, 1); }
 
-int64_t layer_params_per_tp_rank(const ModelSpec& m, int64_t tp) {
-  const LayerShapes s = layer_shapes(m);
-  return (s.column_weights + s.column_biases + s.row_weights) / tp + s.row_biases + s.norms;
+int64_t layer_params_per_tp_rank(const ModelSpec& m, int64_t tp) { return layer_shapes(m).per_tp_rank(tp); }
+
+int64_t moe_layer_dense_params_per_tp_rank(const ModelSpec& m, int64_t tp) {
+  const int64_t shared = m.moe_shared_expert_intermediate_size;
+  return attention_shapes(m).per_tp_rank(tp) + m.num_experts * m.hidden_size +
+         (shared > 0 ? mlp_shapes(m, shared).per_tp_rank(tp) : 0);
 }
 
 int64_t total_params(const ModelSpec& m) {
-  const int64_t v = padded_vocab(m, 1), h = m.hidden_size;
-  return m.num_layers * layer_params(m) + v * h * (m.tie_embeddings ? 1 : 2) + (m.learned_positions ? m.seq_length * h : 0) +
-         final_norm_params(m);
+  const int64_t v = padded_vocab(m, 1), h = m.hidden_size, moe = num_moe_layers(m);
+  return (m.num_layers - moe) * layer_params(m) + moe * (moe_layer_dense_params_per_tp_rank(m, 1) + m.num_experts * params_per_expert(m)) +
+         v * h * (m.tie_embeddings ? 1 : 2) + (m.learned_positions ? m.seq_length * h : 0) + final_norm_params(m);
 }
 
-int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank) {
-  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && pp_rank >= 0 && pp_rank < pp && m.num_layers % pp == 0,
-                  "params_per_rank: expected 0 <= pp_rank < pp and pp dividing the layers, got tp=", tp, " pp=", pp,
-                  " pp_rank=", pp_rank, " layers=", m.num_layers);
+int64_t dense_params_per_rank(const ModelSpec& m, const Layout& l, int64_t pp_rank) {
+  const int64_t tp = l.tp, pp = l.pp;
+  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && l.vpp >= 1 && pp_rank >= 0 && pp_rank < pp && m.num_layers % (pp * l.vpp) == 0,
+                  "params_per_rank: expected 0 <= pp_rank < pp and pp x vpp dividing the layers, got tp=", tp,
+                  " pp=", pp, " vpp=", l.vpp, " pp_rank=", pp_rank, " layers=", m.num_layers);
   const int64_t h = m.hidden_size, vocab_shard = padded_vocab(m, tp) / tp * h;
-  int64_t n = m.num_layers / pp * layer_params_per_tp_rank(m, tp);
+  const LayerCounts layers = stage_layer_counts(m, pp, l.vpp, pp_rank);
+  int64_t n = layers.dense * layer_params_per_tp_rank(m, tp) + layers.moe * moe_layer_dense_params_per_tp_rank(m, tp);
   if (pp_rank == 0) n += vocab_shard + (m.learned_positions ? m.seq_length * h : 0);
   if (pp_rank == pp - 1) {
     n += final_norm_params(m);
     if (!m.tie_embeddings || pp > 1) n += vocab_shard;  // untied head, or the tied copy on the last stage
   }
   return n;
+}
+
+int64_t params_per_rank(const ModelSpec& m, const Layout& l, int64_t pp_rank) {
+  return dense_params_per_rank(m, l, pp_rank) + expert_params_per_rank(m, l, pp_rank);
+}
+
+int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank) {
+  Layout l;
+  l.tp = tp, l.pp = pp;
+  return params_per_rank(m, l, pp_rank);
 }
 
 double narayanan_params(const ModelSpec& m) {
@@ -207,16 +274,36 @@ LayerFlops layer_forward_flops(const ModelSpec& m, int64_t b) {
   return f;
 }
 
+LayerFlops moe_layer_forward_flops(const ModelSpec& m, int64_t b) {
+  const double tokens = static_cast<double>(b) * m.seq_length, h = m.hidden_size;
+  const double qkv = (m.num_attention_heads + 2.0 * m.query_groups()) * m.head_dim();
+  const double attn_width = static_cast<double>(m.num_attention_heads) * m.head_dim();
+  const double g = m.swiglu ? 2 : 1, shared = static_cast<double>(m.moe_shared_expert_intermediate_size);
+  const double f = static_cast<double>(m.moe_ffn()), experts = static_cast<double>(m.num_experts);
+  LayerFlops fl;
+  // Attention as in a dense layer; the router [h, E] and the shared expert for every token.
+  fl.weights = 2 * tokens * (h * qkv + attn_width * h + h * experts + h * shared * g + shared * h);
+  fl.attention = 2 * 2 * tokens * m.seq_length * attn_width;
+  fl.experts = 2 * tokens * static_cast<double>(m.moe_router_topk) * (h * f * g + f * h);  // k experts a token
+  return fl;
+}
+
 double head_forward_flops(const ModelSpec& m, int64_t b) {
   return 2.0 * b * m.seq_length * m.hidden_size * static_cast<double>(m.vocab_size);
 }
 
 double flops_per_iteration(const ModelSpec& m, int64_t global_batch, Recompute r) {
-  const LayerFlops f = layer_forward_flops(m, global_batch);
-  double layer = 3 * f.total();  // forward + backward (twice the forward)
-  if (r == Recompute::kFull) layer += f.total();
-  if (r == Recompute::kSelective) layer += f.attention;
-  return m.num_layers * layer + 3 * head_forward_flops(m, global_batch);
+  const auto layer_flops = [r](const LayerFlops& f) {
+    double layer = 3 * f.total();  // forward + backward (twice the forward)
+    if (r == Recompute::kFull) layer += f.total();
+    if (r == Recompute::kSelective) layer += f.attention;
+    return layer;
+  };
+  const double layer = layer_flops(layer_forward_flops(m, global_batch));
+  if (!m.is_moe()) return m.num_layers * layer + 3 * head_forward_flops(m, global_batch);
+  const int64_t moe = num_moe_layers(m);
+  return (m.num_layers - moe) * layer + moe * layer_flops(moe_layer_forward_flops(m, global_batch)) +
+         3 * head_forward_flops(m, global_batch);
 }
 
 }  // namespace megatorch::plan

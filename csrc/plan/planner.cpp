@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/plan/moe.h"
 
 namespace megatorch::plan {
 
@@ -68,6 +69,11 @@ PlanResult plan(const PlanRequest& r) {
                   r.global_batch);
   MEGATORCH_CHECK(!r.cp || *r.cp >= 1, "expected --context-parallel-size >= 1, got ", r.cp.value_or(0),
                   "; give 1 for no context parallelism or leave it out to search it");
+  const bool moe = r.model.is_moe();
+  MEGATORCH_CHECK(!r.ep || *r.ep >= 1, "expected --expert-model-parallel-size >= 1, got ", r.ep.value_or(0),
+                  "; give 1 for no expert parallelism or leave it out to search it");
+  MEGATORCH_CHECK(moe || r.ep.value_or(1) == 1, "expected --expert-model-parallel-size 1 for a dense model, got ",
+                  r.ep.value_or(1), "; give --num-experts to plan a mixture of experts");
   if (r.tp && r.pp && r.dp && (r.cp.value_or(1) == 1)) {
     // Without a fixed CP the rest of the GPUs may go to CP: the product must divide them.
     const int64_t prod = *r.tp * *r.pp * *r.dp;
@@ -124,40 +130,54 @@ PlanResult plan(const PlanRequest& r) {
                                               ", not " + std::to_string(*r.dp));
           continue;
         }
-        for (int64_t v : choices(r.vpp, vpps))
-          for (int64_t b : choices(r.micro_batch, mbs))
-            for (int zero : zeros)
-              for (Recompute rc : recomputes)
-                for (bool sp : {false, true}) {
-                  if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
-                  Layout l{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type};
-                  const std::string err = layout_error(r.model, l, n, r.global_batch);
-                  if (!err.empty()) {
-                    // A searched CP > 1 that does not fit the model is no example of what was fixed.
-                    if (result.invalid_examples.size() < 3 && (cp == 1 || r.cp))
-                      result.invalid_examples.push_back(l.str() + ": " + err);
-                    continue;
+        // The experts spread over divisors of the stage's TP*CP*DP ranks that divide them.
+        std::vector<int64_t> eps{1};
+        if (moe) {
+          eps.clear();
+          for (int64_t e = 1; e <= tp * cp * dp; ++e)
+            if ((tp * cp * dp) % e == 0 && r.model.num_experts % e == 0) eps.push_back(e);
+        }
+        for (int64_t ep : choices(r.ep, eps))
+          for (int64_t v : choices(r.vpp, vpps))
+            for (int64_t b : choices(r.micro_batch, mbs))
+              for (int zero : zeros)
+                for (Recompute rc : recomputes)
+                  for (bool sp : {false, true}) {
+                    if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
+                    // What the trainer refuses with experts is no example of what was fixed.
+                    if (moe && zero == 3 && !r.zero_stage) continue;
+                    Layout l{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type, ep};
+                    const std::string err = layout_error(r.model, l, n, r.global_batch);
+                    if (!err.empty()) {
+                      // A searched CP > 1 that does not fit the model is no example of what was fixed.
+                      if (result.invalid_examples.size() < 3 && (cp == 1 || r.cp))
+                        result.invalid_examples.push_back(l.str() + ": " + err);
+                      continue;
+                    }
+                    ++result.considered;
+                    // Screen before simulating: the exact static bytes plus the 1F1B in-flight
+                    // activations are a lower bound (interleaving only adds to them).
+                    double per_layer = activation_bytes_per_layer(r.model, l, mo.activations);
+                    if (moe && num_moe_layers(r.model) == r.model.num_layers)
+                      per_layer = moe_activation_bytes_per_layer(r.model, l, mo.activations);
+                    else if (moe && num_moe_layers(r.model) > 0)
+                      per_layer = std::min(per_layer, moe_activation_bytes_per_layer(r.model, l, mo.activations));
+                    const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
+                                         per_layer * static_cast<double>(r.model.num_layers / pp) *
+                                             static_cast<double>(std::min<int64_t>(pp, l.num_microbatches(r.global_batch)));
+                    if (bound > capacity) {
+                      ++result.too_big;
+                      if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
+                      continue;
+                    }
+                    Candidate cand = evaluate_cached(r, l, cache);
+                    if (cand.memory.total() > capacity) {
+                      ++result.too_big;
+                      if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
+                      continue;
+                    }
+                    result.ranked.push_back(std::move(cand));
                   }
-                  ++result.considered;
-                  // Screen before simulating: the exact static bytes plus the 1F1B in-flight
-                  // activations are a lower bound (interleaving only adds to them).
-                  const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
-                                       activation_bytes_per_layer(r.model, l, mo.activations) *
-                                           static_cast<double>(r.model.num_layers / pp) *
-                                           static_cast<double>(std::min<int64_t>(pp, l.num_microbatches(r.global_batch)));
-                  if (bound > capacity) {
-                    ++result.too_big;
-                    if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
-                    continue;
-                  }
-                  Candidate cand = evaluate_cached(r, l, cache);
-                  if (cand.memory.total() > capacity) {
-                    ++result.too_big;
-                    if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
-                    continue;
-                  }
-                  result.ranked.push_back(std::move(cand));
-                }
       }
   if (result.considered == 0) {
     std::string why;
@@ -173,6 +193,7 @@ PlanResult plan(const PlanRequest& r) {
                    precision_bytes(r.precision).total(), " bytes x ", total_params(r.model), " parameters) against ",
                    gb(capacity * n), " in all ", n, " GPUs. Add GPUs (--nodes), memory (--gpu-memory-gb), ZeRO, "
                    "recomputation", r.cp ? ", context parallelism (a larger --context-parallel-size)" : "",
+                   moe && r.ep ? ", expert parallelism (a larger --expert-model-parallel-size)" : "",
                    " or a smaller micro-batch.");
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Candidate& a, const Candidate& b) {
@@ -189,6 +210,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
                                                   {"recompute", a.recompute - b.recompute},
                                                   {"TP comm", a.tp_comm - b.tp_comm},
                                                   {"CP comm", a.cp_comm - b.cp_comm},
+                                                  {"EP comm", a.ep_comm - b.ep_comm},
                                                   {"p2p", a.p2p - b.p2p},
                                                   {"bubble", a.bubble - b.bubble},
                                                   {"DP comm", a.dp_comm - b.dp_comm}};

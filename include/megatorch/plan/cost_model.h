@@ -11,6 +11,7 @@
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/plan/memory.h"
 #include "megatorch/plan/model_spec.h"
+#include "megatorch/plan/moe.h"
 
 namespace megatorch::plan {
 
@@ -54,10 +55,12 @@ struct TimeBreakdown {
   double recompute = 0;    // the part of compute spent recomputing
   double tp_comm = 0;      // TP/SP all-reduces or all-gathers + reduce-scatters (not overlapped)
   double cp_comm = 0;      // CP exchange not hidden under attention (cp_traffic_per_layer; 0 at cp = 1)
+  double ep_comm = 0;      // MoE token dispatch and combine (moe_traffic_per_layer; 0 without experts or at EP 1)
   double p2p = 0;          // pipeline sends/receives (blocking)
   double bubble = 0;       // pipeline idle time of the slowest stage, from the simulator
   double dp_comm = 0;      // gradient reduction (+ ZeRO-3 parameter gathers), after the pipeline
-  double pipeline = 0;     // simulated makespan: compute + tp_comm + cp_comm + p2p + bubble
+  double expert_dp_comm = 0;  // of which the experts' gradients over expert-DP
+  double pipeline = 0;     // simulated makespan: compute + tp_comm + cp_comm + ep_comm + p2p + bubble
   double step = 0;         // pipeline + dp_comm
   double bubble_fraction = 0;  // simulator: idle / busy of the slowest stage
   int64_t peak_inflight_chunks = 0;  // first stage, from the same simulation
@@ -92,6 +95,20 @@ struct CpTraffic {
 };
 CpTraffic cp_traffic_per_layer(const ModelSpec& model, const Layout& layout, const Cluster& cluster,
                                const Calibration& cal, Precision precision = Precision::kBf16);
+
+// What one rank's token dispatch sends for one MoE layer and micro-batch (moe_dispatch,
+// moe.h: all-to-all or all-gather + reduce-scatter, the busiest rank's share under the
+// imbalance margin) and how long it takes. Nothing hides it (megatorch does not overlap the
+// dispatch with compute): exposed = transfer; full recompute repeats the forward's. Over
+// NVLink when the EP group (ep consecutive ranks of a stage, expert tensor parallel size
+// 1) fits in a node, else over the node's network share. All zero at EP 1.
+struct MoeTraffic {
+  MoeDispatch dispatch;
+  double forward_s = 0, backward_s = 0, recompute_s = 0;
+  bool intra_node = true;
+};
+MoeTraffic moe_traffic_per_layer(const ModelSpec& model, const Layout& layout, const Cluster& cluster,
+                                 const Calibration& cal, Precision precision = Precision::kBf16);
 
 // The per-chunk costs handed to the simulator and the simulation itself.
 struct PipelineCosts {

@@ -28,8 +28,15 @@ struct StateBytes {
 };
 StateBytes zero_state_bytes(double num_params, int64_t dp, int zero_stage, Precision precision);
 // The same for one rank of a GPT model under a layout: the parameters that rank holds
-// (params_per_rank of its pipeline stage) sharded by zero_state_bytes over dp * cp.
+// (params_per_rank of its pipeline stage) sharded by zero_state_bytes over dp * cp. With
+// experts, the sum of the dense part (dense_params_per_rank over dp * cp) and the experts
+// (expert_zero_bytes_per_rank).
 StateBytes zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Precision precision, int64_t pp_rank = 0);
+// The rank's experts (expert_params_per_rank) sharded over the expert-DP group
+// (layout.edp() = tp*cp*dp/ep ranks), as TrainingLoop's expert optimizer holds them:
+// replicated at ZeRO 0, optimizer states (1) and gradients (2) sharded. Zero for dense models.
+StateBytes expert_zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Precision precision,
+                                      int64_t pp_rank = 0);
 
 // How activations are stored. The defaults are the paper's: 16-bit activations, 1-byte
 // dropout masks, nothing else. megatorch_extras adds what megatorch's layer keeps beyond the
@@ -66,11 +73,20 @@ double activation_bytes_per_layer(const ModelSpec& model, int64_t micro_batch, i
 // With options.flash_attention the count is megatorch's (the c = 1 flash count / c, plus
 // O and I without recompute; see ActivationOptions).
 double activation_bytes_per_layer(const ModelSpec& model, const Layout& layout, const ActivationOptions& options = {});
+// One MoE layer on the busiest rank of the layout: the count above for its attention half
+// and norms (the router's input in place of fc1's), its shared expert as the MLP (none
+// without one), plus the routed part (moe_routed_activation_bytes, moe.h). 0 for a dense
+// model.
+double moe_activation_bytes_per_layer(const ModelSpec& model, const Layout& layout,
+                                      const ActivationOptions& options = {});
 
 struct MemoryBreakdown {
   int64_t stage = 0;   // the pipeline rank this breakdown is for (the fullest one)
-  StateBytes states;   // weights, gradients, optimizer states
+  StateBytes states;   // weights, gradients, optimizer states (experts included)
+  StateBytes expert_states;  // of which the experts' (zero for dense models)
+  int64_t dense_parameters = 0, expert_parameters = 0;  // what the rank holds
   double activations = 0;   // saved for backward: per layer x layers per stage x in flight
+                            // (with experts: the chunk of the stage with the most bytes)
   double inflight_microbatches = 0;  // micro-batches of a whole stage in flight (simulator)
   double recompute_working = 0;      // one layer's activations rebuilt during backward (recompute)
   double logits = 0;        // fp32 logits shard for the loss (last stage): [b, S/c, V/t]
@@ -84,7 +100,8 @@ struct MemoryOptions {
   double reserved_bytes = 2.0 * (1ull << 30);
 };
 
-// The fuller of the first and the last pipeline stage. The in-flight count comes from
+// The fuller of the first and the last pipeline stage (with experts: the fullest stage, as
+// MoE layers need not be spread evenly). The in-flight count comes from
 // simulate_schedule (1F1B or interleaved): its peak_inflight of the stage, in chunks.
 MemoryBreakdown predict_memory(const ModelSpec& model, const Layout& layout, int64_t global_batch,
                                const MemoryOptions& options = {});

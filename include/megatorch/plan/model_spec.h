@@ -11,6 +11,7 @@
 namespace megatorch::plan {
 
 using transformer::Recompute;
+using transformer::TokenDispatcher;
 
 struct ModelSpec {
   std::string name = "custom";
@@ -28,11 +29,30 @@ struct ModelSpec {
   bool add_bias_linear = true;
   bool add_qkv_bias = false;  // QKV biases without the other biases (Qwen2)
   bool tie_embeddings = true;
+  // Mixture of experts, as TransformerConfig names it (Megatron's flags); 0 experts: dense.
+  // Layer i (0-based) is an MoE layer when i % moe_layer_freq == 0 and i >= moe_first_k_dense.
+  int64_t num_experts = 0;
+  int64_t moe_router_topk = 2;
+  int64_t moe_ffn_hidden_size = 0;  // per expert; 0: ffn()
+  int64_t moe_layer_freq = 1;
+  int64_t moe_first_k_dense = 0;
+  int64_t moe_shared_expert_intermediate_size = 0;  // one dense MLP every token passes; 0: none
+  TokenDispatcher moe_token_dispatcher = TokenDispatcher::kAllToAll;
+  // A planning assumption, not a shape: the busiest expert-parallel rank receives margin x
+  // the mean routed rows (1: perfectly balanced routing). Applied only at EP > 1, capped at
+  // EP (one rank cannot receive more than every rank's rows). See docs/plan.md.
+  double moe_imbalance_margin = 1.0;
 
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   int64_t ffn() const;
-  void validate() const;  // positive sizes, heads divide hidden, groups divide heads
+  bool is_moe() const { return num_experts > 0; }
+  int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn(); }
+  bool is_moe_layer(int64_t layer) const {
+    return num_experts > 0 && layer >= moe_first_k_dense && layer % moe_layer_freq == 0;
+  }
+  // Positive sizes, heads divide hidden, groups divide heads; with experts, the MoE fields.
+  void validate() const;
 };
 
 // "gpt3-175b", "megatron-1t", "llama3-8b", "llama3-70b"; anything else fails listing them.
@@ -74,21 +94,29 @@ struct Layout {
   // Last, so that the positional initialisations written before CP keep meaning cp = 1.
   int64_t cp = 1;
   CpCommType cp_comm = CpCommType::kP2P;
+  // Expert parallelism (MoE): each pipeline stage's tp*cp*dp ranks re-split for the expert
+  // layers as ep x edp (Megatron's parallel folding, expert tensor parallel size 1: every
+  // expert whole on its rank). An EP rank holds num_experts / ep experts of each MoE layer.
+  int64_t ep = 1;
 
   int64_t gpus() const { return tp * cp * pp * dp; }
+  // The ranks holding the same experts: expert gradients are reduced and ZeRO shards over them.
+  int64_t edp() const { return tp * cp * dp / ep; }
   // Micro-batches per step of one pipeline: global_batch / (micro_batch * dp). CP ranks work
   // on the same sequences, so cp does not divide the batch.
   int64_t num_microbatches(int64_t global_batch) const { return global_batch / (micro_batch * dp); }
   // The ranks that hold the same parameters: gradients are reduced and ZeRO shards over them.
   int64_t dp_cp() const { return dp * cp; }
   // "TP=8 PP=8 DP=24 VP=2 ZeRO-1 mb=1 recompute=full SP"; with CP after TP, as in the rank
-  // order: "TP=2 CP=4(p2p) PP=2 DP=1 ...". cp = 1 prints as before CP existed.
+  // order: "TP=2 CP=4(p2p) PP=2 DP=1 ...", and EP after DP: "... DP=4 EP=8 ZeRO-1 ...". cp = 1
+  // and ep = 1 print as before CP and EP existed.
   std::string str() const;
 };
 
 // Checks the layout against the model, the GPU count and the global batch; fails naming the
 // constraint (e.g. TP*PP*DP != GPUs, heads not divisible by TP, batch not divisible by mb*DP,
-// the sequence not divisible by 2*CP, a2a's heads per TP rank not divisible by CP).
+// the sequence not divisible by 2*CP, a2a's heads per TP rank not divisible by CP; with
+// experts: EP not dividing TP*CP*DP or the experts, ZeRO-3).
 void validate_layout(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
 // The same checks, returning the first failure's message instead of throwing ("" when valid).
 std::string layout_error(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
@@ -96,34 +124,48 @@ std::string layout_error(const ModelSpec& model, const Layout& layout, int64_t n
 // ---- parameters (exact counts, as megatorch's GPTModel builds them)
 
 int64_t padded_vocab(const ModelSpec& m, int64_t tp);
-// One transformer layer, unsharded.
+// One dense transformer layer, unsharded.
 int64_t layer_params(const ModelSpec& m);
-// One TP rank's share of one layer: column-parallel weights and biases and row-parallel
-// weights divided by tp, row-parallel biases and norms whole.
+// One TP rank's share of one dense layer: column-parallel weights and biases and
+// row-parallel weights divided by tp, row-parallel biases and norms whole.
 int64_t layer_params_per_tp_rank(const ModelSpec& m, int64_t tp);
-// The whole model (tp = 1, one copy of a tied embedding).
+// One TP rank's share of one MoE layer without its experts: the attention and norms as in
+// a dense layer, the router [E, h] whole (replicated over TP), the shared expert as a TP MLP.
+int64_t moe_layer_dense_params_per_tp_rank(const ModelSpec& m, int64_t tp);
+// The whole model (tp = 1, one copy of a tied embedding, every expert once): the count
+// TrainingLoop::num_parameters() reports.
 int64_t total_params(const ModelSpec& m);
 // What pipeline rank `pp_rank` of tp*pp holds on one TP rank: its layers (layers are split
 // evenly: virtual stage s = chunk * pp + rank holds layers [s*L/(pp*v), (s+1)*L/(pp*v))),
 // the embedding (+ learned positions) on rank 0, the final norm and the output head on the
-// last rank (a copy of the tied embedding when pp > 1, as GPTModel does).
+// last rank (a copy of the tied embedding when pp > 1, as GPTModel does). With experts:
+// every expert of its MoE layers (EP 1) at one virtual chunk per rank.
 int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank);
+// The same under a layout: the dense parameters (what the DP x CP optimizer holds) plus the
+// experts (num_experts / ep per MoE layer of the rank's chunks, what the expert-DP
+// optimizer holds; moe.h). Equal to the 4-argument form for dense models.
+int64_t params_per_rank(const ModelSpec& m, const Layout& layout, int64_t pp_rank);
+int64_t dense_params_per_rank(const ModelSpec& m, const Layout& layout, int64_t pp_rank);
 
 // docs/reference.md (Narayanan et al. 2021): 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)).
 double narayanan_params(const ModelSpec& m);
 // FLOPs of one iteration over global_batch sequences, the docs/reference.md count: the GEMMs of
 // forward and backward, plus a second forward with full recompute (96 B s L h^2 (1 + s/(6h)
 // + V/(16 L h)) for the GPT of Table 1), plus the attention core again with selective
-// recompute. Generalised to GQA and SwiGLU by counting each GEMM.
+// recompute. Generalised to GQA and SwiGLU by counting each GEMM, and to MoE layers by
+// their router, shared expert and k routed experts per token (the active parameters).
 double flops_per_iteration(const ModelSpec& m, int64_t global_batch, Recompute recompute);
 // Forward FLOPs of one transformer layer for `micro_batch` sequences, split as GEMMs with the
-// weights and the attention core (Q K^T and P V).
+// weights, the attention core (Q K^T and P V) and, in an MoE layer, the routed experts' GEMMs
+// (k experts per token; the router and the shared expert are in `weights`).
 struct LayerFlops {
   double weights = 0;
   double attention = 0;
-  double total() const { return weights + attention; }
+  double experts = 0;
+  double total() const { return weights + attention + experts; }
 };
-LayerFlops layer_forward_flops(const ModelSpec& m, int64_t micro_batch);
+LayerFlops layer_forward_flops(const ModelSpec& m, int64_t micro_batch);      // a dense layer
+LayerFlops moe_layer_forward_flops(const ModelSpec& m, int64_t micro_batch);  // an MoE layer
 // Forward FLOPs of the output head (logits) for `micro_batch` sequences.
 double head_forward_flops(const ModelSpec& m, int64_t micro_batch);
 

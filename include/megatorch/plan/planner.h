@@ -1,7 +1,8 @@
 #pragma once
 // The planner: enumerates the layouts of a model on a cluster (TP <= GPUs per node, CP, PP,
-// DP, virtual stages, ZeRO stage, micro-batch, recompute, SP), predicts each one's memory and
-// step time, rejects those that do not fit and ranks the rest. Any knob can be fixed.
+// DP, EP for a mixture of experts, virtual stages, ZeRO stage, micro-batch, recompute, SP),
+// predicts each one's memory and step time, rejects those that do not fit and ranks the
+// rest. Any knob can be fixed.
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -30,6 +31,10 @@ struct PlanRequest {
   // heads and key/value heads per TP rank divisible by c). The comm type is not searched.
   std::optional<int64_t> cp;
   CpCommType cp_comm_type = CpCommType::kP2P;
+  // Expert parallelism (models with experts; dense models run EP 1): unset searches the
+  // divisors of TP*CP*DP that divide the experts. Searched layouts of an MoE model leave
+  // out ZeRO-3, which the trainer refuses with experts.
+  std::optional<int64_t> ep;
   std::optional<int> zero_stage;
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;

@@ -1,0 +1,113 @@
+#include "megatorch/plan/moe.h"
+
+#include <algorithm>
+
+#include "megatorch/check.h"
+
+namespace megatorch::plan {
+
+namespace {
+LayerCounts count_layers(const ModelSpec& m, int64_t begin, int64_t end) {
+  LayerCounts c;
+  for (int64_t i = begin; i < end; ++i) (m.is_moe_layer(i) ? c.moe : c.dense) += 1;
+  return c;
+}
+}  // namespace
+
+int64_t num_moe_layers(const ModelSpec& m) { return count_layers(m, 0, m.num_layers).moe; }
+
+LayerCounts chunk_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank, int64_t chunk) {
+  MEGATORCH_CHECK(pp >= 1 && vpp >= 1 && pp_rank >= 0 && pp_rank < pp && chunk >= 0 && chunk < vpp &&
+                      m.num_layers % (pp * vpp) == 0,
+                  "chunk_layer_counts: expected 0 <= pp_rank < pp, 0 <= chunk < vpp and pp x vpp dividing the ",
+                  m.num_layers, " layers, got pp=", pp, " vpp=", vpp, " pp_rank=", pp_rank, " chunk=", chunk);
+  const int64_t per_chunk = m.num_layers / (pp * vpp), stage = chunk * pp + pp_rank;
+  return count_layers(m, stage * per_chunk, (stage + 1) * per_chunk);
+}
+
+LayerCounts stage_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank) {
+  LayerCounts total;
+  for (int64_t c = 0; c < vpp; ++c) {
+    const LayerCounts one = chunk_layer_counts(m, pp, vpp, pp_rank, c);
+    total.dense += one.dense, total.moe += one.moe;
+  }
+  return total;
+}
+
+int64_t params_per_expert(const ModelSpec& m) {
+  const int64_t h = m.hidden_size, f = m.moe_ffn(), fc1 = f * (m.swiglu ? 2 : 1);
+  return h * fc1 + f * h + (m.add_bias_linear ? fc1 + h : 0);
+}
+
+int64_t expert_params(const ModelSpec& m) { return num_moe_layers(m) * m.num_experts * params_per_expert(m); }
+
+int64_t active_params(const ModelSpec& m) {
+  return total_params(m) - num_moe_layers(m) * (m.num_experts - m.moe_router_topk) * params_per_expert(m);
+}
+
+int64_t expert_params_per_rank(const ModelSpec& m, const Layout& l, int64_t pp_rank) {
+  if (!m.is_moe()) return 0;
+  MEGATORCH_CHECK(l.ep >= 1 && m.num_experts % l.ep == 0, "expert_params_per_rank: expected --num-experts (",
+                  m.num_experts, ") divisible by --expert-model-parallel-size (", l.ep, ")");
+  return stage_layer_counts(m, l.pp, l.vpp, pp_rank).moe * (m.num_experts / l.ep) * params_per_expert(m);
+}
+
+double effective_imbalance_margin(const ModelSpec& m, int64_t ep) {
+  return ep <= 1 ? 1.0 : std::min(m.moe_imbalance_margin, static_cast<double>(ep));
+}
+
+MoeDispatch moe_dispatch(const ModelSpec& m, const Layout& l, double E) {
+  MoeDispatch d;
+  if (!m.is_moe()) return d;
+  const double ep = static_cast<double>(l.ep), h = static_cast<double>(m.hidden_size);
+  const double k = static_cast<double>(m.moe_router_topk), experts = static_cast<double>(m.num_experts);
+  // The rank's sequence share: S/c tokens of b sequences, split over TP under SP.
+  d.tokens = static_cast<double>(l.micro_batch) * static_cast<double>(m.seq_length / l.cp) /
+             static_cast<double>(l.sequence_parallel ? l.tp : 1);
+  d.routed_rows = d.tokens * k;
+  d.expert_rows = d.routed_rows * effective_imbalance_margin(m, l.ep);
+  d.recompute_repeats = l.recompute == Recompute::kFull;
+  if (l.ep == 1) return d;
+  if (m.moe_token_dispatcher == TokenDispatcher::kAllToAll) {
+    // Dispatch and combine: the rows that leave (and come back to) the busiest rank.
+    d.forward_bytes = 2 * d.expert_rows * h * E * (ep - 1) / ep;
+    d.backward_bytes = d.forward_bytes;
+  } else {
+    const double T = d.tokens;
+    // Forward: tokens, fp32 weights and byte selections gathered; outputs reduce-scattered.
+    d.forward_bytes = (ep - 1) * T * (h * E + 4 * experts + experts) + (ep - 1) * T * h * E;
+    // Backward: token and weight gradients reduce-scattered, the output gradient gathered.
+    d.backward_bytes = (ep - 1) * T * h * E + (ep - 1) * T * 4 * experts + (ep - 1) * T * h * E;
+  }
+  return d;
+}
+
+double moe_routed_activation_bytes(const ModelSpec& m, const Layout& l, double E) {
+  if (!m.is_moe() || l.recompute == Recompute::kFull) return 0;
+  const MoeDispatch d = moe_dispatch(m, l, E);
+  const double h = static_cast<double>(m.hidden_size), f = static_cast<double>(m.moe_ffn());
+  const double k = static_cast<double>(m.moe_router_topk), experts = static_cast<double>(m.num_experts);
+  const double T = d.tokens;
+  // Router: fp32 logits [T, E] (the top-k gathers from them), int64 indices and fp32 softmax
+  // weights [T, k]. At 16 bits its fp32 GEMM keeps fp32 copies of the weight and of x, and
+  // x itself (the dense count's fc1 input) only if the shared expert keeps it.
+  double bytes = 4 * T * experts + (8 + 4) * T * k;
+  if (E != 4) {
+    bytes += 4 * experts * h + 4 * T * h;
+    if (m.moe_shared_expert_intermediate_size == 0) bytes -= E * T * h;
+  }
+  // Per routed row of the rank's tokens: the expert output the combine weighs and the
+  // weighted row (kept by the scatter-add), the row's weight, the [N, 2] int64 (expert,
+  // token) pairs (token: a view of them) and the weight gather's flat int64 index.
+  bytes += d.routed_rows * (2 * h * E + E + 16 + 8);
+  // Per row the busiest rank's experts process: their input, fc1's and the activation's
+  // outputs, the row's expert (int64, for the biases), and at EP > 1 the int64 regrouping
+  // order and its inverse.
+  const double act = (m.swiglu ? 3.0 : 2.0) * f;
+  bytes += d.expert_rows * ((h + act) * E + (m.add_bias_linear ? 8 : 0) + (l.ep > 1 ? 16 : 0));
+  // The grouped GEMMs' int32 group offsets, one per projection.
+  bytes += 2 * 4 * static_cast<double>(m.num_experts / l.ep);
+  return bytes;
+}
+
+}  // namespace megatorch::plan
