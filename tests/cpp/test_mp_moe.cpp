@@ -15,18 +15,12 @@ using megatorch::models::GPTModel;
 using megatorch::models::GPTModelOptions;
 using megatorch::parallel::GroupKind;
 using megatorch::parallel::ParallelState;
-using megatorch::parallel::ParallelStateOptions;
 using megatorch::transformer::TokenDispatcher;
 using megatorch::transformer::TransformerConfig;
 namespace moe = megatorch::moe;
 namespace pipeline = megatorch::pipeline;
 
 namespace {
-
-std::unique_ptr<ParallelState> moe_state(int64_t tp, int64_t pp, int64_t ep, const std::string& name, int64_t cp = 1) {
-  return std::make_unique<ParallelState>(
-      ParallelStateOptions(tp, pp).context_parallel_size(cp).expert_model_parallel_size(ep).name(name).device("cpu"));
-}
 
 at::Tensor randn(std::vector<int64_t> shape, int64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -45,7 +39,7 @@ const char* name_of(TokenDispatcher d) { return megatorch::transformer::to_strin
 
 TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exactly the routed rows", "[mp][moe]") {
   const int64_t world = mp::world_size();
-  auto st = moe_state(1, 1, world, "moe_layer");
+  auto st = mp::state(1, 1, "moe_layer", 1, world);
   const std::string ep = st->group_name(GroupKind::kExpert);
   Group epg(ep), worldg(*st, GroupKind::kWorld);
   REQUIRE(epg.size() == world);
@@ -155,7 +149,7 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
   };
   int64_t cases = 0;
   for (const auto& layout : layouts) {
-    auto st = moe_state(layout.tp, layout.pp, layout.ep, "moegpt_" + std::to_string(cases), layout.cp);
+    auto st = mp::state(layout.tp, layout.pp, "moegpt_" + std::to_string(cases), layout.cp, layout.ep);
     Group tpg(*st, GroupKind::kTensor), dpg(*st, GroupKind::kData), edpg(*st, GroupKind::kExpertData);
     Group gradg(*st, GroupKind::kDataContext);
     // DP x CP: the ranks the optimizer averages over (each CP rank's loss is c x its share).

@@ -16,7 +16,6 @@ using megatorch::comm::CommOp;
 using megatorch::comm::Group;
 using megatorch::parallel::GroupKind;
 using megatorch::parallel::ParallelState;
-using megatorch::parallel::ParallelStateOptions;
 using megatorch::transformer::TokenDispatcher;
 using megatorch::transformer::TransformerConfig;
 namespace moe = megatorch::moe;
@@ -26,8 +25,7 @@ namespace train = megatorch::train;
 TEST_CASE("The planner's dispatch bytes equal the EP group's counters for exactly uniform routing",
           "[mp][moe][plan]") {
   const int64_t world = mp::world_size();
-  auto st = std::make_unique<ParallelState>(
-      ParallelStateOptions(1, 1).expert_model_parallel_size(world).name("plan_moe_dispatch").device("cpu"));
+  auto st = mp::state(1, 1, "plan_moe_dispatch", 1, world);
   const std::string ep = st->group_name(GroupKind::kExpert);
   Group epg(ep);
   const int64_t h = 16, s = 8, b = 2, e = 2 * world, k = 2, tokens = s * b;
