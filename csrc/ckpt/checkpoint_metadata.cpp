@@ -18,6 +18,8 @@ ShardedEntry piece_entry(const std::string& key, const json& p) {
   e.spec.rank = p.at("rank").get<int64_t>();
   e.spec.world = p.at("world").get<int64_t>();
   e.spec.parts = p.at("parts").get<int64_t>();
+  e.spec.outer_rank = p.value("outer_rank", int64_t{0});
+  e.spec.outer_world = p.value("outer_world", int64_t{1});
   e.begin = p.at("begin").get<int64_t>();
   e.end = p.at("end").get<int64_t>();
   e.valid_rows = p.at("valid_rows").get<int64_t>();
@@ -34,9 +36,15 @@ bool plain_file_name(const std::string& f) {
 }  // namespace
 
 json spec_json(const ShardedEntry& e) {
-  return {{"full_shape", e.spec.full_shape}, {"partition_dim", e.spec.partition_dim}, {"rank", e.spec.rank},
-          {"world", e.spec.world},           {"parts", e.spec.parts},                 {"begin", e.begin},
-          {"end", e.end < 0 ? shard_numel(e) : e.end}, {"valid_rows", e.valid_rows}};
+  json j = {{"full_shape", e.spec.full_shape}, {"partition_dim", e.spec.partition_dim}, {"rank", e.spec.rank},
+            {"world", e.spec.world},           {"parts", e.spec.parts},                 {"begin", e.begin},
+            {"end", e.end < 0 ? shard_numel(e) : e.end}, {"valid_rows", e.valid_rows}};
+  // Only pieces with an outer split (experts over EP) carry it: absent means none.
+  if (e.spec.outer_world > 1) {
+    j["outer_rank"] = e.spec.outer_rank;
+    j["outer_world"] = e.spec.outer_world;
+  }
+  return j;
 }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
@@ -60,6 +68,10 @@ SavedPiece read_piece(const MetaFile& m, const std::string& key, const std::vect
   e.spec.rank = m.integer(p, "rank", where);
   e.spec.world = m.integer(p, "world", where);
   e.spec.parts = m.integer(p, "parts", where);
+  if (p.contains("outer_world")) {
+    e.spec.outer_rank = m.integer(p, "outer_rank", where);
+    e.spec.outer_world = m.integer(p, "outer_world", where);
+  }
   e.begin = m.integer(p, "begin", where);
   e.end = m.integer(p, "end", where);
   e.valid_rows = m.integer(p, "valid_rows", where);

@@ -56,6 +56,14 @@ void validate_layout(const ShardedEntry& e) {
                     e.key, "': expected dim ", s.partition_dim, " of ", c10::IntArrayRef(s.full_shape),
                     " to be divisible by world x parts = ", s.world, " x ", s.parts);
   }
+  MEGATORCH_CHECK(s.outer_world >= 1 && s.outer_rank >= 0 && s.outer_rank < s.outer_world, "checkpoint entry '",
+                  e.key, "': expected 0 <= outer_rank < outer_world, got outer_rank ", s.outer_rank, ", outer_world ",
+                  s.outer_world);
+  if (s.outer_world > 1) {
+    MEGATORCH_CHECK(!s.full_shape.empty() && s.partition_dim != 0 && s.full_shape[0] % s.outer_world == 0,
+                    "checkpoint entry '", e.key, "': expected an outer split of dim 0 of ", c10::IntArrayRef(s.full_shape),
+                    " into ", s.outer_world, " equal blocks, with the partition dim elsewhere (got ", s.partition_dim, ")");
+  }
   const int64_t numel = shard_numel(e);
   MEGATORCH_CHECK(e.end >= -1, "checkpoint entry '", e.key, "': expected end >= 0 (or -1: the whole shard), got ",
                   e.end);
@@ -80,20 +88,52 @@ std::vector<Run> entry_runs(const ShardedEntry& e) {
   const auto& s = e.spec;
   const auto& full = s.full_shape;
   const int64_t total = product(full, 0, full.size());
-  std::vector<Run> shard;  // the whole TP shard, before the range and the padding
-  if (s.partition_dim < 0 || s.world == 1) {
+  // The whole shard, before the range and the padding: per dim, the index intervals
+  // (global start, length) the shard keeps, in its own order.
+  const size_t nd = full.size();
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> kept(nd);
+  for (size_t d = 0; d < nd; ++d) kept[d] = {{0, full[d]}};
+  if (s.outer_world > 1) kept[0] = {{s.outer_rank * (full[0] / s.outer_world), full[0] / s.outer_world}};
+  if (s.partition_dim >= 0 && s.world > 1) {
+    // Rank r holds, of each of the `parts` blocks along the partition dim, its r-th slice
+    // (slice_for_rank).
+    const size_t pd = static_cast<size_t>(s.partition_dim);
+    const int64_t size = full[pd], rows = size / (s.world * s.parts);
+    kept[pd].clear();
+    for (int64_t p = 0; p < s.parts; ++p) kept[pd].push_back({p * (size / s.parts) + s.rank * rows, rows});
+  }
+  // Dims after the last split one are contiguous: one run per interval of that dim and
+  // index of the dims before it.
+  size_t last = 0;
+  bool split = false;
+  for (size_t d = 0; d < nd; ++d) {
+    if (kept[d].size() != 1 || kept[d][0].second != full[d]) last = d, split = true;
+  }
+  std::vector<Run> shard;
+  if (!split) {
     shard.push_back({0, 0, total});
   } else {
-    // Rank r holds, of each of the `parts` blocks along the partition dim, its r-th slice
-    // (slice_for_rank): per outer index and block, one run of rows x inner elements.
-    const size_t pd = static_cast<size_t>(s.partition_dim);
-    const int64_t outer = product(full, 0, pd), size = full[pd], inner = product(full, pd + 1, full.size());
-    const int64_t rows = size / (s.world * s.parts), local_size = size / s.world;
-    for (int64_t o = 0; o < outer; ++o) {
-      for (int64_t p = 0; p < s.parts; ++p) {
-        shard.push_back({(o * local_size + p * rows) * inner, (o * size + p * (size / s.parts) + s.rank * rows) * inner,
-                         rows * inner});
+    const int64_t inner = product(full, last + 1, nd);
+    std::vector<int64_t> index(last, 0);  // position in each outer dim's kept indices
+    std::vector<std::vector<int64_t>> outer(last);
+    bool empty = false;
+    for (size_t d = 0; d < last; ++d) {
+      for (const auto& [start, length] : kept[d]) {
+        for (int64_t i = 0; i < length; ++i) outer[d].push_back(start + i);
       }
+      empty = empty || outer[d].empty();
+    }
+    int64_t local = 0;
+    while (!empty) {
+      int64_t base = 0;  // the global flat offset of the outer dims' indices
+      for (size_t d = 0; d < last; ++d) base = base * full[d] + outer[d][index[d]];
+      for (const auto& [start, length] : kept[last]) {
+        shard.push_back({local, (base * full[last] + start) * inner, length * inner});
+        local += length * inner;
+      }
+      size_t d = last;  // the odometer over the outer dims
+      while (d > 0 && ++index[d - 1] == static_cast<int64_t>(outer[d - 1].size())) index[--d] = 0;
+      if (d == 0) break;
     }
   }
   // Dim 0 is outermost, so the padded and the logical flat indices agree below the

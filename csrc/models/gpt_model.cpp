@@ -23,7 +23,8 @@ void GPTModelImpl::reset() {
   const auto& c = options.config();
   tp = tp::tp_info(options.group());
   cp = tp::tp_info(c.context_parallel_group());
-  c.validate(tp.size, cp.size, tp::tp_info(c.expert_parallel_group()).size);
+  c.validate(tp.size, cp.size, tp::tp_info(c.expert_parallel_group()).size,
+             tp::tp_info(c.expert_tensor_parallel_group()).size);
   const int64_t end = options.layer_end() < 0 ? c.num_layers() : options.layer_end();
   MEGATORCH_CHECK(options.layer_begin() >= 0 && options.layer_begin() <= end && end <= c.num_layers(),
                   "GPTModel: expected a layer range inside [0, ", c.num_layers(), "], got [", options.layer_begin(),

@@ -39,6 +39,7 @@ void MoELayerImpl::reset() {
   router = register_module("router", TopKRouter(TopKRouterOptions(c).group(options.group()).name(options.name() + ".router")));
   experts = register_module("experts", GroupedExperts(GroupedExpertsOptions(c)
                                                           .ep_group(c.expert_parallel_group())
+                                                          .etp_group(c.expert_tensor_parallel_group())
                                                           .name(options.name() + ".experts")));
   if (c.moe_shared_expert_intermediate_size() > 0) {
     auto shared = c;

@@ -73,33 +73,17 @@ at::Tensor via_all_to_all(const at::Tensor& tokens, const Routing& routing, cons
   const std::vector<int64_t> all =
       to_host(comm::Group(ep).all_gather(at::tensor(rows.counts, at::kLong).to(tokens.device()), 0));
   const auto c = [&](int64_t src, int64_t expert) { return all[src * e + expert]; };
-  std::vector<int64_t> send(p, 0), recv(p, 0), local_counts(local, 0);
+  std::vector<int64_t> send(p, 0), recv(p, 0), mine(p * local);  // mine: each source's rows per local expert
   for (int64_t r = 0; r < p; ++r) {
     for (int64_t j = 0; j < local; ++j) {
       send[r] += c(me, r * local + j);
-      recv[r] += c(r, me * local + j);
-      local_counts[j] += c(r, me * local + j);
+      recv[r] += mine[r * local + j] = c(r, me * local + j);
     }
   }
   const at::Tensor received = all_to_all_rows(permuted, ep.name(), send, recv);
-  // Received rows come by source rank, each source's by local expert; the experts want
-  // them by expert. order[i] is the received row that goes i-th.
-  std::vector<int64_t> order;
-  order.reserve(received.size(0));
-  std::vector<int64_t> source_start(p, 0);
-  for (int64_t r = 1; r < p; ++r) source_start[r] = source_start[r - 1] + recv[r - 1];
-  std::vector<int64_t> next = source_start;  // the next unread row of each source
-  for (int64_t j = 0; j < local; ++j) {
-    for (int64_t r = 0; r < p; ++r) {
-      for (int64_t i = 0; i < c(r, me * local + j); ++i) order.push_back(next[r]++);
-    }
-  }
-  std::vector<int64_t> inverse(order.size());
-  for (size_t i = 0; i < order.size(); ++i) inverse[order[i]] = static_cast<int64_t>(i);
-  const auto dev = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor by_expert = received.index_select(0, at::tensor(order, dev).to(tokens.device()));
-  const at::Tensor out = experts(by_expert, local_counts);
-  const at::Tensor by_source = out.index_select(0, at::tensor(inverse, dev).to(tokens.device()));
+  const ExpertRegroup g = regroup_by_expert(mine, p, local, tokens.device());
+  const at::Tensor out = experts(received.index_select(0, g.order), g.counts);
+  const at::Tensor by_source = out.index_select(0, g.inverse);
   return combine_rows(all_to_all_rows(by_source, ep.name(), recv, send), rows, tokens.size(0));
 }
 
@@ -122,6 +106,53 @@ at::Tensor via_all_gather(const at::Tensor& tokens, const Routing& routing, cons
 at::Tensor all_to_all_rows(const at::Tensor& input, const std::string& group, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows) {
   return AllToAllRows::apply(input, group, send_rows, recv_rows);
+}
+
+at::Tensor all_gather_rows(const at::Tensor& rows, const std::string& group, const std::vector<int64_t>& rows_per_rank) {
+  const comm::Group g(group);
+  // The same rows to every rank; the copies' gradients add up in repeat's backward.
+  std::vector<int64_t> times(rows.dim(), 1);
+  times[0] = g.size();
+  return all_to_all_rows(rows.repeat(times), group, std::vector<int64_t>(g.size(), rows.size(0)), rows_per_rank);
+}
+
+at::Tensor reduce_scatter_rows(const at::Tensor& rows, const std::string& group,
+                               const std::vector<int64_t>& rows_per_rank) {
+  const comm::Group g(group);
+  const int64_t mine = rows_per_rank.at(g.rank());
+  const at::Tensor received = all_to_all_rows(rows, group, rows_per_rank, std::vector<int64_t>(g.size(), mine));
+  std::vector<int64_t> shape = received.sizes().vec();
+  shape[0] = mine;
+  shape.insert(shape.begin(), g.size());
+  return received.view(shape).sum(0);
+}
+
+ExpertRegroup regroup_by_expert(const std::vector<int64_t>& count, int64_t sources, int64_t local,
+                                const c10::Device& device) {
+  MEGATORCH_CHECK(static_cast<int64_t>(count.size()) == sources * local, "regroup_by_expert: expected ",
+                  sources, " x ", local, " counts, got ", count.size());
+  ExpertRegroup out;
+  out.counts.assign(local, 0);
+  std::vector<int64_t> start(sources, 0);  // the first row of each source
+  for (int64_t r = 0; r + 1 < sources; ++r) {
+    start[r + 1] = start[r];
+    for (int64_t j = 0; j < local; ++j) start[r + 1] += count[r * local + j];
+  }
+  std::vector<int64_t> order;
+  for (int64_t j = 0; j < local; ++j) {
+    for (int64_t r = 0; r < sources; ++r) {
+      int64_t first = start[r];
+      for (int64_t i = 0; i < j; ++i) first += count[r * local + i];
+      for (int64_t i = 0; i < count[r * local + j]; ++i) order.push_back(first + i);
+      out.counts[j] += count[r * local + j];
+    }
+  }
+  std::vector<int64_t> inverse(order.size());
+  for (size_t i = 0; i < order.size(); ++i) inverse[order[i]] = static_cast<int64_t>(i);
+  const auto t = at::TensorOptions().dtype(at::kLong);
+  out.order = at::tensor(order, t).to(device);
+  out.inverse = at::tensor(inverse, t).to(device);
+  return out;
 }
 
 at::Tensor dispatch_and_combine(const at::Tensor& tokens, const Routing& routing, const ExpertFn& experts,

@@ -22,6 +22,14 @@ uint64_t name_seed(int64_t seed, const std::string& name, int64_t salt) {
 
 std::vector<int64_t> shard_shape(const ShardSpec& spec) {
   std::vector<int64_t> shape = spec.full_shape;
+  if (spec.outer_world > 1) {
+    MEGATORCH_CHECK(!shape.empty() && spec.partition_dim != 0, "expected an outer split of dim 0 with the partition ",
+                    "dim elsewhere, got a shape ", c10::IntArrayRef(shape), " and partition dim ", spec.partition_dim);
+    MEGATORCH_CHECK(shape[0] % spec.outer_world == 0, "expected dim 0 of size ", shape[0],
+                    " to be divisible by the outer split ", spec.outer_world,
+                    "; choose sizes that the expert-parallel size divides");
+    shape[0] /= spec.outer_world;
+  }
   if (spec.partition_dim < 0) return shape;
   MEGATORCH_CHECK(spec.partition_dim < static_cast<int64_t>(shape.size()), "expected partition dim < ",
                   shape.size(), ", got ", spec.partition_dim);
@@ -34,10 +42,12 @@ std::vector<int64_t> shard_shape(const ShardSpec& spec) {
 }
 
 at::Tensor slice_for_rank(const at::Tensor& full, const ShardSpec& spec) {
-  if (spec.partition_dim < 0 || spec.world == 1) return full;
+  if (!spec.is_split()) return full;
   shard_shape(spec);  // validates
+  at::Tensor t = spec.outer_world > 1 ? full.chunk(spec.outer_world, 0)[spec.outer_rank] : full;
+  if (spec.partition_dim < 0 || spec.world == 1) return t.contiguous();
   std::vector<at::Tensor> pieces;
-  for (const auto& block : full.chunk(spec.parts, spec.partition_dim)) {
+  for (const auto& block : t.chunk(spec.parts, spec.partition_dim)) {
     pieces.push_back(block.chunk(spec.world, spec.partition_dim)[spec.rank]);
   }
   return at::cat(pieces, spec.partition_dim).contiguous();
@@ -48,8 +58,10 @@ at::Tensor init_shard(const ShardSpec& spec, const std::string& name, int64_t se
   const auto local = shard_shape(spec);
   if (method == InitMethod::kZeros) return at::zeros(local, at::kFloat);
   if (method == InitMethod::kOnes) return at::ones(local, at::kFloat);
-  const bool sharded = spec.partition_dim >= 0 && spec.world > 1;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, name, shard_local && sharded ? spec.rank + 1 : 0));
+  const bool sharded = spec.is_split();
+  // Each shard of a (outer x inner)-split weight draws from its own stream.
+  const int64_t shard = spec.rank + spec.world * spec.outer_rank;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, name, shard_local && sharded ? shard + 1 : 0));
   if (shard_local && sharded) return at::normal(0.0, std, local, gen, at::TensorOptions().dtype(at::kFloat));
   at::Tensor full = at::normal(0.0, std, spec.full_shape, gen, at::TensorOptions().dtype(at::kFloat));
   return slice_for_rank(full, spec);

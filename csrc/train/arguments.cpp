@@ -40,7 +40,8 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size,
                  "EP size: ranks the experts are spread over, inside tp x cp x dp (Megatron's parallel folding)");
   app.add_option("--expert-tensor-parallel-size", a.expert_tensor_parallel_size,
-                 "TP size inside each expert (only 1: every expert whole on its rank)");
+                 "TP size inside each expert: each expert's FFN columns split over this many ranks (default 1: every "
+                 "expert whole on its rank; Megatron defaults it to --tensor-model-parallel-size)");
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
                  "layers per virtual stage (interleaved 1F1B)");
   app.add_flag("--sequence-parallel", a.sequence_parallel, "sequence parallelism (needs TP > 1)");
@@ -408,15 +409,13 @@ void validate(TrainArguments& a, int64_t world) {
   MEGATORCH_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters < a.lr_decay_iters,
                   "gpt_pretrain: expected 0 <= --lr-warmup-iters < --lr-decay-iters (or --train-iters), got ",
                   a.lr_warmup_iters, " and ", a.lr_decay_iters);
-  const int64_t ep = a.expert_model_parallel_size;
-  MEGATORCH_CHECK(a.expert_tensor_parallel_size == 1, "gpt_pretrain: --expert-tensor-parallel-size ",
-                  a.expert_tensor_parallel_size, " is not supported: megatorch keeps every expert whole on its rank; "
-                  "spread experts with --expert-model-parallel-size instead");
-  MEGATORCH_CHECK(ep <= tp * cp * dp && (tp * cp * dp) % ep == 0, "gpt_pretrain: expected --expert-model-parallel-size (",
-                  ep, ") to divide the ranks of a pipeline stage, tensor x context x data parallel = ", tp, " x ", cp,
-                  " x ", dp, " = ", tp * cp * dp, "; the experts are spread inside them");
+  const int64_t ep = a.expert_model_parallel_size, etp = a.expert_tensor_parallel_size;
+  MEGATORCH_CHECK(ep <= tp * cp * dp && etp <= tp * cp * dp && (tp * cp * dp) % (ep * etp) == 0,
+                  "gpt_pretrain: expected --expert-model-parallel-size x --expert-tensor-parallel-size (", ep, " x ", etp,
+                  ") to divide the ranks of a pipeline stage, tensor x context x data parallel = ", tp, " x ", cp, " x ",
+                  dp, " = ", tp * cp * dp, "; the experts are spread inside them");
   // The model's own checks (heads, hidden, ffn, seq divisible by tp...) with the same clarity.
-  model_config(a).validate(tp, cp, ep);
+  model_config(a).validate(tp, cp, ep, etp);
 }
 
 transformer::TransformerConfig model_config(const TrainArguments& a) {

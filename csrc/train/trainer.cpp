@@ -124,6 +124,7 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   auto config = model_config(args_);
   config.device(loop_->device()).context_parallel_group(loop_->cp_group());
   if (args_.expert_model_parallel_size > 1) config.expert_parallel_group(loop_->ep_group());
+  if (args_.expert_tensor_parallel_size > 1) config.expert_tensor_parallel_group(loop_->etp_group());
   stage_ = pipeline::PipelineStage(pipeline::PipelineStageOptions(config)
                                        .tp_group(loop_->tp_group())
                                        .pp_group(loop_->pp_group())

@@ -124,10 +124,12 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   params_ = std::move(split.dense);
   moe_shape_ = moe::moe_shape(stage_->stage_module(), state_->group_name(GroupKind::kWorld));
   for (auto* layer : moe::moe_layers(stage_->stage_module())) {
-    MEGATORCH_CHECK(layer->experts->ep.size == state_->ep_size(), "TrainingLoop::set_model: the loop runs "
-                    "expert-parallel size ", state_->ep_size(), " but MoE layer ", layer->options.layer_number(),
-                    " spreads its experts over ", layer->experts->ep.size, " ranks; build the model on a config whose "
-                    "expert_parallel_group is loop.ep_group()");
+    MEGATORCH_CHECK(layer->experts->ep.size == state_->ep_size() && layer->experts->etp.size == state_->etp_size(),
+                    "TrainingLoop::set_model: the loop runs expert-parallel x expert-tensor-parallel sizes ",
+                    state_->ep_size(), " x ", state_->etp_size(), " but MoE layer ", layer->options.layer_number(),
+                    " splits its experts ", layer->experts->ep.size, " x ", layer->experts->etp.size, "; build the ",
+                    "model on a config whose expert_parallel_group is loop.ep_group() and whose ",
+                    "expert_tensor_parallel_group is loop.etp_group()");
   }
   // Decided from the model's shape, the same on every rank, before any optimizer exists.
   MEGATORCH_CHECK(moe_shape_.second == 0 || o.zero_stage() <= 2, "TrainingLoop: ZeRO-3 does not shard expert ",
@@ -151,11 +153,13 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   attach_stage_unit_hooks(*stage_, params_, *optimizer_);
   if (!split.experts.units.empty()) {
     expert_params_ = std::move(split.experts);
-    // Each expert is on one EP rank: the norm spans EP (and PP, added in step_optimizers).
+    // Each expert is on one EP rank, its columns over ETP: the norm spans both (and PP,
+    // added in step_optimizers).
     std::vector<std::string> expert_groups;
     if (state_->ep_size() > 1) expert_groups.push_back(ep_group());
+    if (state_->etp_size() > 1) expert_groups.push_back(etp_group());
     // Without SP the TP ranks route the same tokens, so each expert sees each of them tp
-    // times (whole experts, expert-TP 1): those copies average out too.
+    // times (also through ETP's all-gather): those copies average out too.
     const auto layers = moe::moe_layers(stage_->stage_module());
     const bool sp = !layers.empty() && layers.front()->options.config().sequence_parallel();
     const int64_t data_replicas = comm::Group(grad_group()).size() * (sp ? 1 : state_->tp_size());
@@ -175,12 +179,13 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
     if (params_.info[i].counted_in_norm) count += static_cast<double>(optimizer_->parameters()[i].numel());
   }
   comm::Group(tp_group()).all_reduce(count);
-  // Experts once per EP rank, whatever TP says (they are whole on their rank).
+  // Experts once over EP x ETP, whatever TP says (ETP-replicated ones on etp rank 0).
   at::Tensor experts = at::zeros({1}, at::kDouble);
-  if (expert_optimizer_) {
-    for (const auto& p : expert_optimizer_->parameters()) experts += static_cast<double>(p.numel());
+  for (size_t i = 0; expert_optimizer_ && i < expert_params_.info.size(); ++i) {
+    if (expert_params_.info[i].counted_in_norm) experts += static_cast<double>(expert_optimizer_->parameters()[i].numel());
   }
   comm::Group(ep_group()).all_reduce(experts);
+  comm::Group(etp_group()).all_reduce(experts);
   count += experts;
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(count);
   num_parameters_ = static_cast<int64_t>(count.item<double>());
@@ -385,7 +390,8 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
     // "dp": the gradient reduction's group (DP × CP under context parallelism).
     std::map<std::string, int64_t> comm_bytes{{"dp", comm::comm_stats(grad_group()).total().bytes}};
     for (auto [kind, key] : {std::pair{GroupKind::kTensor, "tp"}, {GroupKind::kPipeline, "pp"}, {GroupKind::kContext, "cp"},
-                             {GroupKind::kExpert, "ep"}, {GroupKind::kExpertData, "edp"}}) {
+                             {GroupKind::kExpert, "ep"}, {GroupKind::kExpertTensor, "etp"},
+                             {GroupKind::kExpertData, "edp"}}) {
       comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
     }
     const bool eval_now = options_.eval_interval() > 0 && iteration_ % options_.eval_interval() == 0;

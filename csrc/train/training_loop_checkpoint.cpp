@@ -44,6 +44,11 @@ std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
     }
     return false;
   };
+  // Experts are not replicated over TP but over expert-DP, and expert-TP for a whole one
+  // (fc2's bias): etp rank 0 writes those.
+  for (auto& e : model) {
+    if (is_expert(e.tensor)) e.write = (e.spec.partition_dim >= 0 && e.spec.world > 1) || state_->etp_rank() == 0;
+  }
   for (auto* opt : optimizers()) {
     const bool experts = opt == expert_optimizer_.get();
     const int64_t replica = experts ? edp_rank : dp_rank;

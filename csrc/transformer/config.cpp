@@ -13,7 +13,7 @@ int64_t TransformerConfig::ffn() const {
   return 4 * hidden_size_;
 }
 
-void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep) const {
+void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep, int64_t etp) const {
   const int64_t heads = num_attention_heads_, groups = query_groups();
   MEGATORCH_CHECK(tp >= 1, "expected a tensor-parallel size >= 1 to validate against, got ", tp);
   MEGATORCH_CHECK(hidden_size_ >= 1 && heads >= 1 && num_layers_ >= 1 && seq_length_ >= 1 && vocab_size_ >= 1,
@@ -60,7 +60,7 @@ void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep) const {
                   "expected dropout probabilities in [0, 1), got attention ", attention_dropout_, ", hidden ",
                   hidden_dropout_);
   validate_context_parallel(tp, cp);
-  validate_moe(tp, ep);
+  validate_moe(tp, ep, etp);
 }
 
 void TransformerConfig::validate_context_parallel(int64_t tp, int64_t cp) const {

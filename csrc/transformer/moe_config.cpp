@@ -7,12 +7,13 @@
 
 namespace megatorch::transformer {
 
-void TransformerConfig::validate_moe(int64_t tp, int64_t ep) const {
-  MEGATORCH_CHECK(ep >= 1, "expected an expert-parallel size >= 1 to validate against, got ", ep);
+void TransformerConfig::validate_moe(int64_t tp, int64_t ep, int64_t etp) const {
+  MEGATORCH_CHECK(ep >= 1 && etp >= 1, "expected expert-parallel and expert-tensor-parallel sizes >= 1 to validate ",
+                  "against, got ", ep, " and ", etp);
   MEGATORCH_CHECK(num_experts_ >= 0, "expected --num-experts >= 0 (0: a dense model), got ", num_experts_);
   if (num_experts_ == 0) {
-    MEGATORCH_CHECK(ep == 1, "expected --expert-model-parallel-size 1 for a dense model, got ", ep,
-                    "; set --num-experts to train a mixture of experts");
+    MEGATORCH_CHECK(ep == 1 && etp == 1, "expected --expert-model-parallel-size and --expert-tensor-parallel-size 1 ",
+                    "for a dense model, got ", ep, " and ", etp, "; set --num-experts to train a mixture of experts");
     return;
   }
   MEGATORCH_CHECK(moe_router_topk_ >= 1 && moe_router_topk_ <= num_experts_, "expected --moe-router-topk in [1, ",
@@ -43,6 +44,9 @@ void TransformerConfig::validate_moe(int64_t tp, int64_t ep) const {
   MEGATORCH_CHECK(num_experts_ % ep == 0, "expected --num-experts (", num_experts_,
                   ") to be divisible by --expert-model-parallel-size (", ep, "): each expert-parallel rank holds ",
                   "num_experts / ep whole experts");
+  MEGATORCH_CHECK(moe_ffn() % etp == 0, "expected the experts' FFN size (--moe-ffn-hidden-size, else --ffn-hidden-size: ",
+                  moe_ffn(), ") to be divisible by --expert-tensor-parallel-size (", etp, "): each expert-tensor-",
+                  "parallel rank holds F / etp of every local expert's columns");
 }
 
 const char* to_string(RouterScore s) { return s == RouterScore::kSoftmax ? "softmax" : "sigmoid"; }

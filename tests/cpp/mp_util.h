@@ -13,10 +13,11 @@ inline int64_t rank() { return std::atoll(std::getenv("RANK") ? std::getenv("RAN
 
 // A ParallelState with a name of its own (each test case makes fresh groups).
 inline std::unique_ptr<megatorch::parallel::ParallelState> state(int64_t tp, int64_t pp, const std::string& name,
-                                                                 int64_t cp = 1, int64_t ep = 1) {
+                                                                 int64_t cp = 1, int64_t ep = 1, int64_t etp = 1) {
   return std::make_unique<megatorch::parallel::ParallelState>(megatorch::parallel::ParallelStateOptions(tp, pp)
                                                                   .context_parallel_size(cp)
                                                                   .expert_model_parallel_size(ep)
+                                                                  .expert_tensor_parallel_size(etp)
                                                                   .name(name)
                                                                   .device("cpu"));
 }

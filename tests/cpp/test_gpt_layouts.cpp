@@ -224,3 +224,56 @@ TEST_CASE("pipeline_stage_parameters of interleaved chunks on one rank", "[layou
     CHECK(!mt::train::optimizer_sums_tied_embedding(stage));
   }
 }
+
+TEST_CASE("A shard split twice (experts over EP, columns over expert-TP) maps onto exactly its elements", "[layouts]") {
+  // The runs of every shard, whole and as ZeRO ranges, hold the elements slice_for_rank
+  // gives it, and the shards of all ranks tile the full tensor once.
+  struct Case {
+    std::vector<int64_t> shape;
+    int64_t dim, parts;
+  };
+  const std::vector<Case> cases{{{4, 3, 12}, 2, 2}, {{4, 6, 5}, 1, 1}, {{4, 12}, 1, 2}, {{6, 5}, -1, 1}};
+  for (const auto& c : cases) {
+    for (int64_t outer : {1, 2}) {
+      for (int64_t world : {1, 2, 3}) {
+        const int64_t split = c.dim < 0 ? 1 : world;
+        if ((c.dim >= 0 && c.shape[c.dim] % (world * c.parts) != 0) || c.shape[0] % outer != 0) continue;
+        INFO("shape " << at::IntArrayRef(c.shape) << " dim " << c.dim << " outer " << outer << " world " << split);
+        int64_t total = 1;
+        for (int64_t d : c.shape) total *= d;
+        const at::Tensor full = at::arange(total, at::kLong).view(c.shape);
+        at::Tensor seen = at::zeros({total}, at::kLong);
+        for (int64_t o = 0; o < outer; ++o) {
+          for (int64_t r = 0; r < split; ++r) {
+            mt::ckpt::ShardedEntry e;
+            e.key = "t";
+            e.spec = mt::tp::ShardSpec{c.shape, c.dim, r, split, c.parts};
+            e.spec.outer_rank = o;
+            e.spec.outer_world = outer;
+            const at::Tensor shard = mt::tp::slice_for_rank(full, e.spec).reshape({-1});
+            REQUIRE(shard.numel() == mt::ckpt::shard_numel(e));
+            mt::ckpt::validate_layout(e);
+            for (const auto& [begin, end] : std::vector<std::pair<int64_t, int64_t>>{{0, -1}, {3, shard.numel() - 2}}) {
+              e.begin = begin;
+              e.end = end;
+              int64_t covered = 0;
+              for (const auto& run : mt::ckpt::entry_runs(e)) {
+                CHECK(torch::equal(shard.narrow(0, begin + run.local, run.length),
+                                   at::arange(run.global, run.global + run.length, at::kLong)));
+                if (begin == 0) seen.narrow(0, run.global, run.length).add_(1);
+                covered += run.length;
+              }
+              CHECK(covered == mt::ckpt::entry_numel(e));
+            }
+          }
+        }
+        CHECK(torch::equal(seen, at::ones({total}, at::kLong)));
+      }
+    }
+  }
+  mt::ckpt::ShardedEntry bad;
+  bad.key = "t";
+  bad.spec = mt::tp::ShardSpec{{4, 6}, 0, 0, 2, 1};
+  bad.spec.outer_world = 2;
+  CHECK_THROWS_WITH(mt::ckpt::validate_layout(bad), Catch::Contains("with the partition dim elsewhere"));
+}

@@ -1,7 +1,8 @@
-// Expert parallelism: an MoE layer and a whole GPT at EP sizes > 1 (alone, over DP, folded
-// onto TP with SP, inside pipeline stages) give the outputs, loss and every gradient of
-// one rank holding every expert (1e-5, fp32), with both token dispatchers; the dispatch
-// moves exactly the routed rows (all-to-all) or every token (all-gather).
+// Expert parallelism: an MoE layer and a whole GPT at EP sizes > 1 and expert-TP 2 (alone,
+// over DP, folded onto TP with SP, inside pipeline stages) give the outputs, loss and every
+// gradient of one rank holding every expert (1e-5, fp32), with both token dispatchers; the
+// dispatch moves exactly the routed rows (all-to-all) or every token (all-gather), ETP
+// each rank's rows etp - 1 times each way.
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
@@ -31,6 +32,24 @@ at::Tensor randn(std::vector<int64_t> shape, int64_t seed) {
 at::Tensor local_experts(const at::Tensor& full, int64_t ep_rank, int64_t ep_size) {
   const int64_t n = full.size(0) / ep_size;
   return full.narrow(0, ep_rank * n, n);
+}
+
+// The part of a whole-model expert tensor (fc1_weight [E, h, F1], fc2_weight [E, F, h],
+// fc1_bias [E, F1], fc2_bias [E, h]) on EP rank `ep_rank`, expert-TP rank `etp_rank`:
+// the local experts, of those fc1's F1/etp columns (of gate and of up for SwiGLU, `glu`
+// 2) and fc2's F/etp rows; fc2's bias whole.
+at::Tensor expert_shard(const std::string& name, const at::Tensor& full, int64_t ep_rank, int64_t ep, int64_t etp_rank,
+                        int64_t etp, int64_t glu) {
+  const at::Tensor mine = local_experts(full, ep_rank, ep);
+  const auto ends = [&name](const std::string& s) {
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  const int64_t dim = ends("fc1_weight") ? 2 : ends("fc2_weight") || ends("fc1_bias") ? 1 : -1;
+  if (dim < 0 || etp == 1) return mine;
+  const int64_t parts = ends("fc2_weight") ? 1 : glu;
+  std::vector<at::Tensor> pieces;
+  for (const auto& block : mine.chunk(parts, dim)) pieces.push_back(block.chunk(etp, dim)[etp_rank]);
+  return at::cat(pieces, dim);
 }
 
 const char* name_of(TokenDispatcher d) { return megatorch::transformer::to_string(d); }
@@ -104,16 +123,92 @@ TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exac
   }
 }
 
+TEST_CASE("An MoE layer with expert tensor parallelism equals one rank's; ETP moves each rank's rows etp - 1 times",
+          "[mp][moe]") {
+  const int64_t world = mp::world_size();
+  // (ep, etp): every expert split over all ranks, and (at 4 ranks) EP 2 x ETP 2.
+  std::vector<std::pair<int64_t, int64_t>> layouts{{1, world}};
+  if (world == 4) layouts.push_back({2, 2});
+  int64_t n = 0;
+  for (const auto& [ep, etp] : layouts) {
+    auto st = mp::state(1, 1, "moe_etp_" + std::to_string(n++), 1, ep, etp);
+    const std::string epn = st->group_name(GroupKind::kExpert), etpn = st->group_name(GroupKind::kExpertTensor);
+    Group etpg(etpn), worldg(*st, GroupKind::kWorld);
+    REQUIRE(etpg.size() == etp);
+    for (bool swiglu : {false, true}) {
+      for (TokenDispatcher type : {TokenDispatcher::kAllToAll, TokenDispatcher::kAllGather}) {
+        INFO("ep " << ep << " etp " << etp << (swiglu ? " swiglu" : " gelu") << " " << name_of(type));
+        auto base = TransformerConfig()
+                        .hidden_size(16)
+                        .num_attention_heads(2)
+                        .num_experts(4)
+                        .moe_router_topk(2)
+                        .moe_ffn_hidden_size(12)
+                        .add_bias_linear(true)
+                        .moe_aux_loss_coeff(0.01)
+                        .moe_token_dispatcher_type(type)
+                        .init_std(0.3)
+                        .seed(6);
+        if (swiglu) base.activation(megatorch::transformer::Activation::kSwiGLU);
+        moe::MoELayer ref{moe::MoELayerOptions(base)};
+        moe::MoELayer layer{moe::MoELayerOptions(
+            TransformerConfig(base).expert_parallel_group(ep > 1 ? epn : "").expert_tensor_parallel_group(etpn))};
+        // Biases are initialised to zero: give them values so that their paths are tested.
+        {
+          torch::NoGradGuard no_grad;
+          for (auto* m : {&ref, &layer}) {
+            (*m)->experts->fc1_bias.copy_(expert_shard("fc1_bias", randn({4, swiglu ? 24 : 12}, 7),
+                                                       m == &ref ? 0 : st->ep_rank(), m == &ref ? 1 : ep,
+                                                       m == &ref ? 0 : st->etp_rank(), m == &ref ? 1 : etp, swiglu ? 2 : 1));
+            (*m)->experts->fc2_bias.copy_(local_experts(randn({4, 16}, 8), m == &ref ? 0 : st->ep_rank(), m == &ref ? 1 : ep));
+          }
+        }
+        const int64_t h = 16, t = 10;
+        const at::Tensor x = randn({5, 2, h}, 60 + st->rank()), g = randn({5, 2, h}, 70 + st->rank());
+        auto xr = x.clone().requires_grad_(), xd = x.clone().requires_grad_();
+        etpg.reset_stats();
+        const at::Tensor out = layer->forward(xd);
+        const auto forward_stats = etpg.stats();
+        const at::Tensor want = ref->forward(xr);
+        CHECK(torch::allclose(out, want, 1e-5, 1e-6));
+        out.backward(g);
+        want.backward(g);
+        if (ep == 1 && type == TokenDispatcher::kAllToAll) {
+          // Each rank's routed rows, all-gathered (sent to etp - 1 ranks) and reduce-scattered
+          // back (every other rank's rows sent to it); backward the same, transposed.
+          const at::Tensor rows = etpg.all_gather(ref->router->forward(x.reshape({t, h})).selection.sum().reshape({1}), 0);
+          const int64_t mine = rows[etpg.rank()].item<int64_t>(), all = rows.sum().item<int64_t>();
+          const int64_t row_bytes = h * 4;
+          CHECK(forward_stats[CommOp::kAllToAll].bytes == ((etp - 1) * mine + (all - mine)) * row_bytes);
+          CHECK(etpg.stats()[CommOp::kAllToAll].bytes == 2 * ((etp - 1) * mine + (all - mine)) * row_bytes);
+        }
+        CHECK(torch::allclose(xd.grad(), xr.grad(), 1e-5, 1e-6));
+        CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
+        // Each expert shard's gradient holds every rank's rows routed to its expert.
+        for (const auto& p : layer->experts->named_parameters()) {
+          at::Tensor full = ref->experts->named_parameters()[p.key()].grad().clone();
+          worldg.all_reduce(full);
+          INFO(p.key());
+          CHECK(torch::allclose(p.value().grad(),
+                                expert_shard(p.key(), full, st->ep_rank(), ep, st->etp_rank(), etp, swiglu ? 2 : 1), 1e-5,
+                                1e-6));
+        }
+      }
+    }
+  }
+}
+
 namespace {
 
 struct EpLayout {
   int64_t tp, pp, ep, cp = 1;
   bool sp = true;  // with tp > 1
+  int64_t etp = 1;
 };
 
 std::string describe(const EpLayout& l) {
-  return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " ep " + std::to_string(l.ep) + " cp " +
-         std::to_string(l.cp) + (l.tp > 1 && !l.sp ? " no SP" : "");
+  return "tp " + std::to_string(l.tp) + " pp " + std::to_string(l.pp) + " ep " + std::to_string(l.ep) + " etp " +
+         std::to_string(l.etp) + " cp " + std::to_string(l.cp) + (l.tp > 1 && !l.sp ? " no SP" : "");
 }
 
 std::vector<pipeline::MicroBatch> micro_batches(const TransformerConfig& c, int64_t m, int64_t first) {
@@ -127,16 +222,21 @@ std::vector<pipeline::MicroBatch> micro_batches(const TransformerConfig& c, int6
 
 }  // namespace
 
-TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, with CP2) equals EP 1", "[mp][moe]") {
+TEST_CASE("GPT with experts at EP 2 and 4 and ETP 2 (over DP, with TP2 + SP, with PP2, with CP2) equals EP 1",
+          "[mp][moe]") {
   const int64_t world = mp::world_size();
   std::vector<EpLayout> layouts{{1, 1, world}};
   if (world % 2 == 0) layouts.push_back({1, 1, 2, 2});  // EP over the ranks splitting each sequence
+  if (world % 2 == 0) layouts.push_back({1, 1, 1, 1, true, 2});  // each expert split over two DP ranks
   if (world == 4) {
     layouts.push_back({1, 1, 2});  // two expert-data-parallel replicas of each expert
     layouts.push_back({2, 1, 2});  // EP folded onto TP: each TP rank routes its SP share
     layouts.push_back({2, 1, 2, 1, false});  // without SP both TP ranks route every token
     layouts.push_back({2, 1, 4});  // EP over TP x DP
     layouts.push_back({1, 2, 2});  // EP inside each pipeline stage
+    layouts.push_back({2, 1, 2, 1, true, 2});  // ETP = TP (Megatron's default), EP over DP
+    layouts.push_back({2, 1, 1, 1, false, 2});  // ETP = TP without SP: both send every token
+    layouts.push_back({1, 2, 1, 1, true, 2});  // ETP inside each pipeline stage
   }
   const std::vector<std::pair<std::string, TransformerConfig>> variants{
       {"softmax-gelu-aux-z", gpt_test::base_config().num_experts(4).moe_ffn_hidden_size(24)},
@@ -149,11 +249,11 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
   };
   int64_t cases = 0;
   for (const auto& layout : layouts) {
-    auto st = mp::state(layout.tp, layout.pp, "moegpt_" + std::to_string(cases), layout.cp, layout.ep);
+    auto st = mp::state(layout.tp, layout.pp, "moegpt_" + std::to_string(cases), layout.cp, layout.ep, layout.etp);
     Group tpg(*st, GroupKind::kTensor), dpg(*st, GroupKind::kData), edpg(*st, GroupKind::kExpertData);
     Group gradg(*st, GroupKind::kDataContext);
     // DP x CP: the ranks the optimizer averages over (each CP rank's loss is c x its share).
-    const int64_t dp = dpg.size(), replicas = gradg.size(), ep_rank = st->ep_rank();
+    const int64_t dp = dpg.size(), replicas = gradg.size(), ep_rank = st->ep_rank(), etp_rank = st->etp_rank();
     for (const auto& [vname, vconfig] : variants) {
       if (vconfig.num_experts() % layout.ep != 0) continue;  // at world sizes other than 2 and 4
       for (TokenDispatcher type : {TokenDispatcher::kAllToAll, TokenDispatcher::kAllGather}) {
@@ -168,7 +268,8 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
         const auto config = TransformerConfig(ref_config)
                                 .sequence_parallel(layout.tp > 1 && layout.sp)
                                 .context_parallel_group(layout.cp > 1 ? st->group_name(GroupKind::kContext) : "")
-                                .expert_parallel_group(st->group_name(GroupKind::kExpert));
+                                .expert_parallel_group(st->group_name(GroupKind::kExpert))
+                                .expert_tensor_parallel_group(st->group_name(GroupKind::kExpertTensor));
         const int64_t m = 2 * layout.pp;
         // Reference: every DP rank's micro-batches on one rank, every expert.
         GPTModel full{GPTModelOptions(ref_config)};
@@ -203,7 +304,9 @@ TEST_CASE("GPT with experts at EP 2 and 4 (over DP, with TP2 + SP, with PP2, wit
               const bool expert = name.find(".experts.") != std::string::npos;
               (expert ? edpg : gradg).all_reduce(grad);
               grad.div_(static_cast<double>(expert ? replicas * copies : replicas));
-              const at::Tensor expected = expert ? local_experts(want, ep_rank, layout.ep) : want;
+              const int64_t glu = config.activation() == megatorch::transformer::Activation::kSwiGLU ? 2 : 1;
+              const at::Tensor expected =
+                  expert ? expert_shard(name, want, ep_rank, layout.ep, etp_rank, layout.etp, glu) : want;
               INFO(key << " (" << name << ") max diff " << (grad - expected).abs().max().item<double>());
               CHECK(torch::allclose(grad, expected, 1e-5, 1e-6));
             });

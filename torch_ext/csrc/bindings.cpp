@@ -145,6 +145,10 @@ const std::vector<Field>& fields() {
           "expert_parallel_group",
           [](const Config& c) -> const std::string& { return c.expert_parallel_group(); },
           [](Config& c, std::string g) { c.expert_parallel_group(std::move(g)); }),
+      group_field(
+          "expert_tensor_parallel_group",
+          [](const Config& c) -> const std::string& { return c.expert_tensor_parallel_group(); },
+          [](Config& c, std::string g) { c.expert_tensor_parallel_group(std::move(g)); }),
       MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
       MT_FIELD(shard_local_init), MT_FIELD(fused_kernels),
@@ -253,7 +257,7 @@ PYBIND11_MODULE(_cpp, m) {
                      "position_embedding_type 'learned_absolute'|'rope', recompute 'none'|'selective'|'full',\n"
                      "cp_comm_type 'p2p'|'a2a', moe_router_score_function 'softmax'|'sigmoid',\n"
                      "moe_token_dispatcher_type 'alltoall'|'allgather'; params_dtype a torch.dtype, device a torch.device or a string;\n"
-                     "context_parallel_group and expert_parallel_group a group name, a torch.distributed ProcessGroup\n"
+                     "context_parallel_group, expert_parallel_group and expert_tensor_parallel_group a group name, a torch.distributed ProcessGroup\n"
                      "or None (read back as its name, '' for none).");
   config.def(py::init([](const py::kwargs& kwargs) {
         Config c;
@@ -269,7 +273,7 @@ PYBIND11_MODULE(_cpp, m) {
            "A copy with the given fields changed.")
       .def("to_dict", &as_dict, "{field: value} for every field (the keyword arguments that rebuild it)")
       .def("validate", &Config::validate, py::arg("tp_size") = 1, py::arg("cp_size") = 1, py::arg("ep_size") = 1,
-           "Every constraint against a TP (and CP, EP) size.")
+           py::arg("etp_size") = 1, "Every constraint against a TP (and CP, EP, expert-TP) size.")
       .def_property_readonly("head_dim", &Config::head_dim)
       .def_property_readonly("ffn", &Config::ffn, "ffn_hidden_size, or its default when 0")
       .def_property_readonly("query_groups", &Config::query_groups)

@@ -41,4 +41,24 @@ at::Tensor dispatch_and_combine(const at::Tensor& tokens, const Routing& routing
 at::Tensor all_to_all_rows(const at::Tensor& input, const std::string& group, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows);
 
+// Uneven all-gather along dim 0 over `group`: every rank's rows ([rows_per_rank[r], ...]),
+// by rank. Built on all_to_all_rows, so its backward returns each rank the sum of the
+// gradients of its rows (a reduce-scatter).
+at::Tensor all_gather_rows(const at::Tensor& rows, const std::string& group, const std::vector<int64_t>& rows_per_rank);
+// The transpose: partial sums [sum of rows_per_rank, ...] by rank in, this rank's rows
+// summed over the group out.
+at::Tensor reduce_scatter_rows(const at::Tensor& rows, const std::string& group,
+                               const std::vector<int64_t>& rows_per_rank);
+
+// Rows that arrive by source, each source's grouped by local expert, regrouped by local
+// expert (sources ascending within each). count[src * local + j]: rows of source src for
+// local expert j. rows.index_select(0, order) is by expert; index_select(0, inverse) of
+// that is by source again.
+struct ExpertRegroup {
+  at::Tensor order, inverse;    // int64, on `device`
+  std::vector<int64_t> counts;  // [local] rows per local expert
+};
+ExpertRegroup regroup_by_expert(const std::vector<int64_t>& count, int64_t sources, int64_t local,
+                                const c10::Device& device);
+
 }  // namespace megatorch::moe

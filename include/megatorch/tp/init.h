@@ -36,6 +36,14 @@ struct ShardSpec {
   // A fused weight made of `parts` equal blocks along partition_dim (e.g. SwiGLU's
   // [gate; up]) is sharded block by block: rank r keeps the r-th slice of each block.
   int64_t parts = 1;
+  // A second, outer split of dim 0 into `outer_world` contiguous blocks, of which this
+  // rank holds block `outer_rank`, taken before the split above (expert weights [E, ...]:
+  // each expert-parallel rank's experts, split again over expert-TP). partition_dim is
+  // then another dim.
+  int64_t outer_rank = 0;
+  int64_t outer_world = 1;
+
+  bool is_split() const { return (partition_dim >= 0 && world > 1) || outer_world > 1; }
 };
 
 std::vector<int64_t> shard_shape(const ShardSpec& spec);

@@ -2,8 +2,9 @@
 // Mixture-of-experts parameters apart from the dense ones: the experts of a rank are its
 // own (expert parallelism), replicated only over the expert-data-parallel group, so they
 // get an optimizer of their own over that group (Megatron's expert DDP buffers): their
-// gradients summed over expert-DP and divided by DP x CP, every one counted in the
-// gradient norm (reduced over EP), none summed over TP.
+// gradients summed over expert-DP and divided by DP x CP, counted in the gradient norm
+// (reduced over EP and expert-TP; an expert-TP-replicated one on etp rank 0 only), none
+// summed over TP.
 #include <string>
 #include <vector>
 

@@ -100,6 +100,8 @@ struct TransformerConfig {
   // The expert-parallel group's registered name ("" for none: every expert on every rank).
   // A layout, not a property of the weights: checkpoints do not record it.
   TORCH_ARG(std::string, expert_parallel_group) = "";
+  // The expert-tensor-parallel group's name ("" for none: each expert whole on its rank).
+  TORCH_ARG(std::string, expert_tensor_parallel_group) = "";
   TORCH_ARG(c10::ScalarType, params_dtype) = c10::kFloat;
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   TORCH_ARG(double, init_std) = 0.02;
@@ -122,12 +124,13 @@ struct TransformerConfig {
   }
   int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
 
-  // Every constraint against a TP (and CP, EP) size, failing with what was expected and given.
-  void validate(int64_t tp_size, int64_t cp_size = 1, int64_t ep_size = 1) const;
+  // Every constraint against a TP (and CP, EP, expert-TP) size, failing with what was
+  // expected and given.
+  void validate(int64_t tp_size, int64_t cp_size = 1, int64_t ep_size = 1, int64_t etp_size = 1) const;
   // The constraints context parallelism adds (a no-op for cp 1).
   void validate_context_parallel(int64_t tp_size, int64_t cp_size) const;
   // The constraints mixture of experts adds (a no-op without experts).
-  void validate_moe(int64_t tp_size, int64_t ep_size) const;
+  void validate_moe(int64_t tp_size, int64_t ep_size, int64_t etp_size = 1) const;
 };
 
 // How a parameter named `name` of this model is initialised (seed, std, dtype, device).

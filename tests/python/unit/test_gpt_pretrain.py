@@ -285,16 +285,18 @@ MIXTRAL = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-pre-sof
 
 
 def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
-    """--num-experts with --expert-model-parallel-size: EP2 x TP2 + SP, EP4 over DP with
-    ZeRO-1, EP2 x PP2 and the all-gather dispatcher at EP2 give the single rank's 10 losses
-    (fp32, 1e-5); the log has every layer's auxiliary and z losses and its tokens per expert
-    (T·k assignments in all). With a capacity, EP2 drops the same tokens as one rank. A
-    checkpoint saved at EP2 x TP2 loads at EP1 and EP4: the same validation loss, and two
-    more steps give the saving layout's losses."""
+    """--num-experts with --expert-model-parallel-size: EP2 x TP2 + SP, EP2 x expert-TP2
+    over TP2 + SP, EP4 over DP with ZeRO-1, EP2 x PP2 and the all-gather dispatcher at EP2
+    give the single rank's 10 losses (fp32, 1e-5); the log has every layer's auxiliary and z
+    losses and its tokens per expert (T·k assignments in all). With a capacity, EP2 drops
+    the same tokens as one rank. A checkpoint saved at EP2 x ETP2 x TP2 loads at EP1 and
+    EP4: the same validation loss, and two more steps give the saving layout's losses."""
     ep2tp2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    ep2etp2 = [*ep2tp2, "--expert-tensor-parallel-size", "2"]
     runs = {
         "single": (1, []),
         "ep2tp2": (4, ep2tp2),
+        "ep2etp2tp2": (4, ep2etp2),
         "ep4zero1": (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"]),
         "ep2pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         "ep2allgather": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
@@ -317,6 +319,8 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
                 assert l["aux_loss"] > 0 and l["z_loss"] > 0 and l["dropped"] == 0
             if "--expert-model-parallel-size" in layout:
                 assert r["comm_bytes"]["ep"] > 0, name  # tokens crossed the EP ranks
+            if "--expert-tensor-parallel-size" in layout:
+                assert r["comm_bytes"]["etp"] > 0, name  # and the expert-TP ranks
         got[name + "_moe"] = [r["moe"]["aux_loss"] for r in records]
     ref = got["single"]
     assert ref[10] < ref[1]  # it learns
@@ -340,19 +344,22 @@ def test_mixture_of_experts_same_losses_and_resume_across_ep(tmp_path):
         assert a == pytest.approx(b, rel=1e-5) and da == db
 
     ckpt = tmp_path / "ckpt"
-    out, _ = torchrun(4, [*MODEL, *MIXTRAL, "--train-iters", "4", *ep2tp2, "--zero-stage", "1", "--save", str(ckpt)])
+    out, _ = torchrun(4, [*MODEL, *MIXTRAL, "--train-iters", "4", *ep2etp2, "--zero-stage", "1", "--save", str(ckpt)])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    layouts = {"ep2tp2": (4, [*ep2tp2, "--zero-stage", "1"]), "ep1": (1, []),
+    layouts = {"ep2etp2tp2": (4, [*ep2etp2, "--zero-stage", "1"]), "ep1": (1, []),
                "ep4": (4, ["--expert-model-parallel-size", "4"])}
-    check_reload_matches(tmp_path, ckpt, layouts, "ep2tp2", model=[*MODEL, *MIXTRAL])
+    check_reload_matches(tmp_path, ckpt, layouts, "ep2etp2tp2", model=[*MODEL, *MIXTRAL])
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size (3) to divide the ranks of a pipeline stage"),
+    (["--expert-model-parallel-size", "3"], "(3 x 1) to divide the ranks of a pipeline stage"),
     (["--expert-model-parallel-size", "4", "--num-experts", "2"], "--num-experts (2) to be divisible by "
                                                                   "--expert-model-parallel-size (4)"),
     (["--moe-router-topk", "5"], "--moe-router-topk in [1, 4]"),
-    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not supported"),
+    (["--expert-tensor-parallel-size", "4", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size x --expert-tensor-parallel-size (2 x 4) to divide the ranks of a pipeline stage"),
+    (["--expert-tensor-parallel-size", "4", "--moe-ffn-hidden-size", "50"],
+     "to be divisible by --expert-tensor-parallel-size (4)"),
     (["--zero-stage", "3"], "ZeRO-3 does not shard expert parameters"),
 ])
 def test_bad_moe_configuration_fails_fast(args, message):
