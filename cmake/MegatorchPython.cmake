@@ -7,7 +7,14 @@ if(NOT MEGATORCH_PYTHON)
   return()
 endif()
 set(Python_EXECUTABLE ${MEGATORCH_PYTHON})
-find_package(Python REQUIRED COMPONENTS Interpreter Development.Module)
+find_package(Python COMPONENTS Interpreter Development.Module)
+if(NOT Python_Development.Module_FOUND)
+  # An interpreter without its headers (no python3-dev) still runs the library's operators
+  # and executables; only this extension needs Python.h.
+  message(WARNING "megatorch: no Python headers for ${MEGATORCH_PYTHON} (install its -dev package, e.g. "
+                  "python3-dev); not building the Python extension megatorch.cpp")
+  return()
+endif()
 
 set(MEGATORCH_TORCH_PYTHON_LIBRARY ${TORCH_INSTALL_PREFIX}/lib/libtorch_python.so)
 if(NOT EXISTS ${MEGATORCH_TORCH_PYTHON_LIBRARY})

@@ -9,6 +9,8 @@ MT_JOBS="${MEGATORCH_JOBS:-2}"
 # MEGATORCH_PYTHON=/path/to/python3 uses that interpreter's torch instead of the venv
 # (the GPU machine ships torch + CUDA in its own python3).
 mt_python() {
-  if [[ -n "${MEGATORCH_PYTHON:-}" ]]; then echo "$MEGATORCH_PYTHON"; else echo "$MT_VENV/bin/python"; fi
+  # An absolute path: CMake's FindPython does not search PATH for a bare name.
+  if [[ -n "${MEGATORCH_PYTHON:-}" ]]; then command -v "$MEGATORCH_PYTHON" || echo "$MEGATORCH_PYTHON"
+  else echo "$MT_VENV/bin/python"; fi
 }
 mt_log() { printf '\033[1m[megatorch]\033[0m %s\n' "$*" >&2; }
