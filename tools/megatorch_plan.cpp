@@ -1,4 +1,4 @@
-// megatorch-plan: predicts per-GPU memory and step time of every TP/CP/PP/DP/EP/ZeRO/micro-batch/
+// megatorch-plan: predicts per-GPU memory and step time of every TP/CP/PP/DP/EP/ETP/ZeRO/micro-batch/
 // recompute/SP layout of a model on a cluster, rejects those that do not fit and ranks the rest.
 //
 //   megatorch-plan --model gpt3-175b --nodes 128 --global-batch-size 1536 [--json] [--explain]
@@ -31,7 +31,7 @@ struct Args {
   double mask_bytes = 1;
   // Mixture of experts (Megatron's flags; 0 experts: dense).
   int64_t num_experts = 0, topk = 2, moe_ffn = 0, moe_layer_freq = 1, moe_first_k_dense = 0, moe_shared = 0;
-  int64_t ep = 0, etp = 1;
+  int64_t ep = 0, etp = 1;  // etp 0: searched
   std::string dispatcher = "alltoall";
   double imbalance_margin = 1.0;
 };
@@ -83,7 +83,7 @@ int64_t most_moe_layers(const mp::ModelSpec& m, const mp::Layout& l) {
 void add_moe_json(json& entry, const mp::PlanRequest& r, const mp::Candidate& c) {
   const mp::Layout& l = c.layout;
   entry["layout"]["expert_model_parallel_size"] = l.ep;
-  entry["layout"]["expert_tensor_parallel_size"] = 1;
+  entry["layout"]["expert_tensor_parallel_size"] = l.etp;
   entry["layout"]["expert_data_parallel_size"] = l.edp();
   auto& mem = entry["memory"];
   mem["dense_parameters"] = c.memory.dense_parameters;
@@ -104,10 +104,39 @@ void add_moe_json(json& entry, const mp::PlanRequest& r, const mp::Candidate& c)
                   {"moe_imbalance_margin", mp::effective_imbalance_margin(r.model, l.ep)},
                   {"moe_dispatch_forward_bytes", tr.dispatch.forward_bytes},
                   {"moe_dispatch_backward_bytes", tr.dispatch.backward_bytes},
-                  {"moe_dispatch_bytes_per_step", per_step}, {"moe_a2a_s", c.time.ep_comm},
+                  {"moe_dispatch_bytes_per_step", per_step}, {"moe_a2a_s", c.time.ep_comm - c.time.etp_comm},
                   {"dispatch_intra_node", tr.intra_node},
                   {"activation_bytes_per_moe_layer",
                    mp::moe_activation_bytes_per_layer(r.model, l, mp::memory_options(r).activations)}};
+  if (l.etp == 1) return;  // the output as before expert tensor parallelism
+  entry["time"]["etp_comm_s"] = c.time.etp_comm;
+  const double etp_per_step = static_cast<double>(most_moe_layers(r.model, l) * l.num_microbatches(r.global_batch)) *
+                              (tr.dispatch.etp_forward_bytes * (tr.dispatch.recompute_repeats ? 2 : 1) +
+                               tr.dispatch.etp_backward_bytes);
+  entry["moe"].update({{"expert_tensor_parallel_rows", tr.dispatch.etp_rows},
+                       {"etp_forward_bytes", tr.dispatch.etp_forward_bytes},
+                       {"etp_backward_bytes", tr.dispatch.etp_backward_bytes},
+                       {"etp_bytes_per_step", etp_per_step}, {"etp_intra_node", tr.etp_intra_node}});
+}
+
+// Expert tensor parallelism's all-gather of the expert rows and reduce-scatter of the partial
+// outputs over the ETP group: per MoE layer and micro-batch, and per step.
+void print_etp_explain(const mp::PlanRequest& r, const mp::Candidate& c, const mp::MoeTraffic& tr) {
+  const mp::Layout& l = c.layout;
+  const auto& d = tr.dispatch;
+  std::printf("  expert tensor parallel per MoE layer and micro-batch, one rank sends: forward %.2f MB, backward %.2f "
+              "MB (all-gather of the T x k x margin expert rows + reduce-scatter of the partial outputs over ETP=%lld, "
+              "(etp-1) x rows x h each), over %s; %.3f ms + %.3f ms, not overlapped\n",
+              mb(d.etp_forward_bytes), mb(d.etp_backward_bytes), static_cast<long long>(l.etp),
+              tr.etp_intra_node ? "NVLink" : "the network", 1e3 * tr.etp_forward_s, 1e3 * tr.etp_backward_s);
+  const int64_t layers = most_moe_layers(r.model, l), micro = l.num_microbatches(r.global_batch);
+  const double per = static_cast<double>(layers * micro);
+  std::printf("  expert tensor parallel per step (%lld MoE layers x %lld micro-batches): forward %.2f GB, backward "
+              "%.2f GB",
+              static_cast<long long>(layers), static_cast<long long>(micro), gb(per * d.etp_forward_bytes),
+              gb(per * d.etp_backward_bytes));
+  if (d.recompute_repeats) std::printf(", recompute %.2f GB (the forward's again)", gb(per * d.etp_forward_bytes));
+  std::printf("\n");
 }
 
 void print_moe_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
@@ -125,20 +154,31 @@ void print_moe_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
               "per token of the GEMMs)\n",
               static_cast<long long>(mp::total_params(m)), static_cast<long long>(mp::expert_params(m)),
               static_cast<long long>(mp::active_params(m)));
-  std::printf("  expert layout: EP=%lld x EDP=%lld over each stage's TP*CP*DP = %lld ranks (expert tensor parallel 1: "
-              "experts whole); %lld of the %lld experts of each MoE layer per EP rank\n",
-              static_cast<long long>(l.ep), static_cast<long long>(l.edp()),
-              static_cast<long long>(l.tp * l.cp * l.dp), static_cast<long long>(m.num_experts / l.ep),
-              static_cast<long long>(m.num_experts));
+  if (l.etp == 1) {
+    std::printf("  expert layout: EP=%lld x EDP=%lld over each stage's TP*CP*DP = %lld ranks (expert tensor parallel 1: "
+                "experts whole); %lld of the %lld experts of each MoE layer per EP rank\n",
+                static_cast<long long>(l.ep), static_cast<long long>(l.edp()),
+                static_cast<long long>(l.tp * l.cp * l.dp), static_cast<long long>(m.num_experts / l.ep),
+                static_cast<long long>(m.num_experts));
+  } else {
+    const long long f = m.moe_ffn(), f1 = f * (m.swiglu ? 2 : 1), etp = l.etp;
+    std::printf("  expert layout: EP=%lld x ETP=%lld x EDP=%lld over each stage's TP*CP*DP = %lld ranks (expert tensor "
+                "parallel %lld: each expert split as a TP MLP, fc1 %lld of %lld columns, fc2 %lld of %lld rows); %lld "
+                "of the %lld experts of each MoE layer per EP rank\n",
+                static_cast<long long>(l.ep), etp, static_cast<long long>(l.edp()),
+                static_cast<long long>(l.tp * l.cp * l.dp), etp, f1 / etp, f1, f / etp, f,
+                static_cast<long long>(m.num_experts / l.ep), static_cast<long long>(m.num_experts));
+  }
   const auto& mem = c.memory;
   const mp::LayerCounts n = mp::stage_layer_counts(m, l.pp, l.vpp, mem.stage);
+  const std::string shard = l.etp == 1 ? "" : ", the rank's 1/" + std::to_string(l.etp) + " shard of each";
   std::printf("  parameters per rank (stage %lld): %lld dense (ZeRO over DP x CP = %lld) + %lld in experts (%lld MoE "
-              "layers x %lld of %lld experts x %lld; ZeRO over EDP = %lld)\n",
+              "layers x %lld of %lld experts x %lld%s; ZeRO over EDP = %lld)\n",
               static_cast<long long>(mem.stage), static_cast<long long>(mem.dense_parameters),
               static_cast<long long>(l.dp_cp()), static_cast<long long>(mem.expert_parameters),
               static_cast<long long>(n.moe), static_cast<long long>(m.num_experts / l.ep),
-              static_cast<long long>(m.num_experts), static_cast<long long>(mp::params_per_expert(m)),
-              static_cast<long long>(l.edp()));
+              static_cast<long long>(m.num_experts), static_cast<long long>(mp::params_per_expert_shard(m, l.etp)),
+              shard.c_str(), static_cast<long long>(l.edp()));
   std::printf("  expert states per rank: params %.2f GB, grads %.2f GB, master params %.2f GB, master grads %.2f GB, "
               "optimizer states %.2f GB\n",
               gb(mem.expert_states.param_bytes), gb(mem.expert_states.grad_bytes),
@@ -147,14 +187,19 @@ void print_moe_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   const mp::MoeTraffic tr = mp::moe_traffic_per_layer(m, l, r.cluster, r.calibration, r.precision);
   const auto& d = tr.dispatch;
   std::printf("  tokens per rank and micro-batch: T = %.0f; routed rows T x k = %.0f; the busiest rank's experts "
-              "process T x k x margin = %.0f rows\n",
+              "process T x k x margin = %.0f rows",
               d.tokens, d.routed_rows, d.expert_rows);
+  if (l.etp > 1)
+    std::printf(", gathered over ETP: its expert shards process ETP x that = %.0f rows at 1/%lld of the width",
+                d.etp_rows, static_cast<long long>(l.etp));
+  std::printf("\n");
   const mp::MemoryOptions mo = mp::memory_options(r);
   std::printf("  activations per layer and micro-batch: MoE layer %.3f GB, dense layer %.3f GB\n",
               gb(mp::moe_activation_bytes_per_layer(m, l, mo.activations)),
               gb(mp::activation_bytes_per_layer(m, l, mo.activations)));
   if (l.ep == 1) {
     std::printf("  dispatch: none (EP=1: every expert on every rank)\n");
+    if (l.etp > 1) print_etp_explain(r, c, tr);
     return;
   }
   const char* link = tr.intra_node ? "NVLink" : "the network";
@@ -172,6 +217,7 @@ void print_moe_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
               gb(per * d.backward_bytes));
   if (d.recompute_repeats) std::printf(", recompute %.2f GB (the forward's again)", gb(per * d.forward_bytes));
   std::printf("\n");
+  if (l.etp > 1) print_etp_explain(r, c, tr);
 }
 
 // What context parallelism does to the best layout: each rank's share of the sequence, its
@@ -240,8 +286,12 @@ void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
               t.recompute, t.tp_comm);
   if (c.layout.cp > 1)
     std::printf("  CP comm           %9.3f s  (exposed: not hidden under attention)\n", t.cp_comm);
-  if (r.model.is_moe())
+  if (r.model.is_moe() && c.layout.etp == 1)
     std::printf("  EP comm           %9.3f s  (token dispatch and combine, not overlapped)\n", t.ep_comm);
+  else if (r.model.is_moe())
+    std::printf("  EP comm           %9.3f s  (token dispatch and combine, and ETP's all-gathers and reduce-scatters "
+                "%.3f s, not overlapped)\n",
+                t.ep_comm, t.etp_comm);
   std::printf("  pipeline p2p      %9.3f s\n  pipeline bubble   %9.3f s  (simulated: %.4f of busy time)\n", t.p2p, t.bubble,
               t.bubble_fraction);
   if (r.model.is_moe()) {
@@ -401,7 +451,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--expert-model-parallel-size", a.ep,
                  "EP size: ranks each MoE layer's experts are spread over, inside TP x CP x DP (default: searched)");
-  app.add_option("--expert-tensor-parallel-size", a.etp, "only 1: every expert whole on its rank")
+  app.add_option("--expert-tensor-parallel-size", a.etp,
+                 "ETP size: ranks each expert is split over as a TP MLP (fc1 by columns, fc2 by rows), inside "
+                 "TP x CP x DP / EP; 1: every expert whole; 0: searched")
       ->capture_default_str();
   app.add_option("--top", a.top, "layouts to list")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object");
@@ -435,9 +487,6 @@ int main(int argc, char** argv) {
     m.moe_shared_expert_intermediate_size = a.moe_shared;
     m.moe_token_dispatcher = megatorch::transformer::parse_token_dispatcher(a.dispatcher);
     m.moe_imbalance_margin = a.imbalance_margin;
-    MEGATORCH_CHECK(a.etp == 1, "--expert-tensor-parallel-size ", a.etp, " is not supported: megatorch keeps every "
-                    "expert whole on its rank (expert tensor parallel size 1); spread the experts with "
-                    "--expert-model-parallel-size instead");
     if (a.model.empty()) {
       namespace tf = megatorch::transformer;
       m.swiglu = a.swiglu, m.rms_norm = tf::parse_normalization(a.normalization) == tf::Normalization::kRMSNorm;
@@ -456,6 +505,8 @@ int main(int argc, char** argv) {
     if (a.tp) r.tp = a.tp;
     if (a.cp) r.cp = a.cp;
     if (a.ep) r.ep = a.ep;
+    if (a.etp == 0) r.etp.reset();  // searched
+    else r.etp = a.etp;
     r.cp_comm_type = mp::parse_cp_comm_type(a.cp_comm);
     if (a.pp) r.pp = a.pp;
     if (a.dp) r.dp = a.dp;

@@ -118,8 +118,9 @@ LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
 
 // An MoE layer per rank: the attention half and the shared expert (a TP MLP) as the dense
 // GEMMs (/ t, / c); the router on the rank's T tokens and the experts' GEMMs on the busiest
-// rank's T k margin rows, whole experts (inner width h): / t only under SP, as without it
-// every TP rank routes the same tokens; the memory-bound share over what the MoE layer
+// rank's T k margin rows (inner width h; under ETP etp x the rows at 1/etp of the width,
+// the same FLOPs): / t only under SP, as without it every TP rank routes the same tokens;
+// the memory-bound share over what the MoE layer
 // saves. TP collectives: the attention's, and the shared expert's when there is one; the
 // routed experts need none.
 LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
@@ -145,20 +146,21 @@ LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, 
 }
 
 struct StageCost {
-  double compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, p2p = 0;  // per micro-batch, slowest stage
+  double compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, etp = 0, p2p = 0;  // per micro-batch, slowest stage
   double chunk_forward = 0, chunk_backward = 0;
 };
 
 // One layer's seconds in a chunk's forward and backward, and its shares of the totals.
 struct LayerTimes {
-  double forward = 0, backward = 0, compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0;
+  double forward = 0, backward = 0, compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, etp = 0;
 };
 LayerTimes layer_times(const LayerCost& lc, Recompute r) {
   double rec = 0, rec_tp = 0;
   if (r == Recompute::kFull) rec = lc.compute_fwd, rec_tp = lc.tp_fwd;
   if (r == Recompute::kSelective) rec = lc.selective;
   const double cp_fwd = lc.cp.exposed_forward_s, cp_bwd = lc.cp.exposed_backward_s + lc.cp.exposed_recompute_s;
-  const double ep_fwd = lc.ep.forward_s, ep_bwd = lc.ep.backward_s + lc.ep.recompute_s;
+  const double etp_fwd = lc.ep.etp_forward_s, etp_bwd = lc.ep.etp_backward_s + lc.ep.etp_recompute_s;
+  const double ep_fwd = lc.ep.forward_s + etp_fwd, ep_bwd = lc.ep.backward_s + lc.ep.recompute_s + etp_bwd;
   LayerTimes lt;
   lt.forward = lc.compute_fwd + lc.tp_fwd + cp_fwd + ep_fwd;
   lt.backward = 2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp + cp_bwd + ep_bwd;
@@ -167,6 +169,7 @@ LayerTimes layer_times(const LayerCost& lc, Recompute r) {
   lt.tp = 2 * lc.tp_fwd + rec_tp;
   lt.cp = cp_fwd + cp_bwd;
   lt.ep = ep_fwd + ep_bwd;
+  lt.etp = etp_fwd + etp_bwd;
   return lt;
 }
 
@@ -224,6 +227,7 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
     s.tp = sum(n, &LayerTimes::tp);
     s.cp = sum(n, &LayerTimes::cp);
     s.ep = sum(n, &LayerTimes::ep);
+    s.etp = sum(n, &LayerTimes::etp);
   }
   s.chunk_forward += head / v + p2p;
   s.chunk_backward += 2 * head / v + p2p;
@@ -266,11 +270,16 @@ MoeTraffic moe_traffic_per_layer(const ModelSpec& m, const Layout& l, const Clus
                                  Precision p) {
   MoeTraffic tr;
   tr.dispatch = moe_dispatch(m, l, static_cast<double>(activation_dtype_bytes(p)));
-  tr.intra_node = l.ep <= c.gpus_per_node;  // the EP group: ep consecutive ranks
+  tr.intra_node = l.ep * l.etp <= c.gpus_per_node;  // the EP group: ep ranks etp apart
   const double bw = tr.intra_node ? intra_bw(c, k) : inter_bw(c, k);
   tr.forward_s = tr.dispatch.forward_bytes / bw;
   tr.backward_s = tr.dispatch.backward_bytes / bw;
   if (tr.dispatch.recompute_repeats) tr.recompute_s = tr.forward_s;
+  tr.etp_intra_node = l.etp <= c.gpus_per_node;  // the ETP group: etp consecutive ranks
+  const double etp_bw = tr.etp_intra_node ? intra_bw(c, k) : inter_bw(c, k);
+  tr.etp_forward_s = tr.dispatch.etp_forward_bytes / etp_bw;
+  tr.etp_backward_s = tr.dispatch.etp_backward_bytes / etp_bw;
+  if (tr.dispatch.recompute_repeats) tr.etp_recompute_s = tr.etp_forward_s;
   return tr;
 }
 
@@ -309,6 +318,7 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   t.tp_comm = mb * s.tp;
   t.cp_comm = mb * s.cp;
   t.ep_comm = mb * s.ep;
+  t.etp_comm = mb * s.etp;
   t.p2p = mb * s.p2p;
   // The simulator ran the slowest stage's costs on every stage, in ticks; its bubble (idle /
   // busy) turns the busy seconds into the makespan.

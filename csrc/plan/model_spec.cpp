@@ -120,6 +120,7 @@ std::string Layout::str() const {
   if (cp > 1) os << " CP=" << cp << "(" << to_string(cp_comm) << ")";
   os << " PP=" << pp << " DP=" << dp;
   if (ep > 1) os << " EP=" << ep;
+  if (etp > 1) os << " ETP=" << etp;
   if (vpp > 1) os << " VP=" << vpp;
   os << " ZeRO-" << zero_stage << " mb=" << micro_batch << " recompute=" << transformer::to_string(recompute);
   if (sequence_parallel) os << " SP";
@@ -159,6 +160,9 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
   else if (!m.is_moe() && l.ep != 1)
     os << "expected --expert-model-parallel-size 1 for a dense model, got EP=" << l.ep
        << "; give --num-experts to plan a mixture of experts";
+  else if (!m.is_moe() && l.etp != 1)
+    os << "expected --expert-tensor-parallel-size 1 for a dense model, got ETP=" << l.etp
+       << "; give --num-experts to plan a mixture of experts";
   else if (m.is_moe() && (l.ep < 1 || (l.tp * l.cp * l.dp) % l.ep))
     os << "EP=" << l.ep << " does not divide the TP*CP*DP = " << l.tp * l.cp * l.dp
        << " ranks of a pipeline stage, which the experts are spread over; pick an --expert-model-parallel-size "
@@ -168,6 +172,15 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
     os << "EP=" << l.ep << " does not divide the " << m.num_experts
        << " experts (each EP rank holds num_experts / EP whole experts); pick an --expert-model-parallel-size "
           "dividing --num-experts";
+  else if (m.is_moe() && (l.etp < 1 || (l.tp * l.cp * l.dp) % (l.ep * l.etp)))
+    os << "EP*ETP = " << l.ep << "*" << l.etp << " = " << l.ep * l.etp << " does not divide the TP*CP*DP = "
+       << l.tp * l.cp * l.dp << " ranks of a pipeline stage, which the expert shards are spread over "
+       << "(EDP = TP*CP*DP / (EP*ETP)); pick an --expert-tensor-parallel-size >= 1 dividing "
+       << l.tp * l.cp * l.dp / l.ep;
+  else if (m.is_moe() && m.moe_ffn() % l.etp)
+    os << "ETP=" << l.etp << " does not divide the expert FFN size (--moe-ffn-hidden-size " << m.moe_ffn()
+       << "): each expert's fc1 columns and fc2 rows are split over the ETP ranks; pick an "
+       << "--expert-tensor-parallel-size dividing " << m.moe_ffn() << " or an FFN size divisible by " << l.etp;
   else if (m.is_moe() && l.zero_stage == 3)
     os << "ZeRO-3 does not shard expert parameters (TrainingLoop refuses it with experts); use --zero-stage 1 or 2";
   else if (m.is_moe() && m.moe_shared_expert_intermediate_size % l.tp)

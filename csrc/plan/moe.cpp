@@ -34,9 +34,17 @@ LayerCounts stage_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int6
   return total;
 }
 
-int64_t params_per_expert(const ModelSpec& m) {
-  const int64_t h = m.hidden_size, f = m.moe_ffn(), fc1 = f * (m.swiglu ? 2 : 1);
-  return h * fc1 + f * h + (m.add_bias_linear ? fc1 + h : 0);
+int64_t params_per_expert(const ModelSpec& m) { return params_per_expert_shard(m, 1); }
+
+int64_t params_per_expert_shard(const ModelSpec& m, int64_t etp) {
+  const int64_t f = m.moe_ffn();
+  MEGATORCH_CHECK(etp >= 1 && f % etp == 0, "expert tensor parallelism: expected --expert-tensor-parallel-size >= 1 "
+                  "dividing the expert FFN size (--moe-ffn-hidden-size ", f, "), got ", etp,
+                  "; pick a divisor of ", f);
+  // fc1 column-parallel and fc2 row-parallel over ETP; fc2's bias is added after the
+  // reduce-scatter, whole on every ETP rank.
+  const int64_t h = m.hidden_size, shard = f / etp, fc1 = shard * (m.swiglu ? 2 : 1);
+  return h * fc1 + shard * h + (m.add_bias_linear ? fc1 + h : 0);
 }
 
 int64_t expert_params(const ModelSpec& m) { return num_moe_layers(m) * m.num_experts * params_per_expert(m); }
@@ -49,7 +57,7 @@ int64_t expert_params_per_rank(const ModelSpec& m, const Layout& l, int64_t pp_r
   if (!m.is_moe()) return 0;
   MEGATORCH_CHECK(l.ep >= 1 && m.num_experts % l.ep == 0, "expert_params_per_rank: expected --num-experts (",
                   m.num_experts, ") divisible by --expert-model-parallel-size (", l.ep, ")");
-  return stage_layer_counts(m, l.pp, l.vpp, pp_rank).moe * (m.num_experts / l.ep) * params_per_expert(m);
+  return stage_layer_counts(m, l.pp, l.vpp, pp_rank).moe * (m.num_experts / l.ep) * params_per_expert_shard(m, l.etp);
 }
 
 double effective_imbalance_margin(const ModelSpec& m, int64_t ep) {
@@ -67,6 +75,12 @@ MoeDispatch moe_dispatch(const ModelSpec& m, const Layout& l, double E) {
   d.routed_rows = d.tokens * k;
   d.expert_rows = d.routed_rows * effective_imbalance_margin(m, l.ep);
   d.recompute_repeats = l.recompute == Recompute::kFull;
+  const double etp = static_cast<double>(l.etp);
+  d.etp_rows = etp * d.expert_rows;
+  // The expert rows all-gathered over ETP and the partial outputs reduce-scattered back;
+  // backward the reduce-scatter of the input gradient and the all-gather of the output's.
+  d.etp_forward_bytes = 2 * (etp - 1) * d.expert_rows * h * E;
+  d.etp_backward_bytes = d.etp_forward_bytes;
   if (l.ep == 1) return d;
   if (m.moe_token_dispatcher == TokenDispatcher::kAllToAll) {
     // Dispatch and combine: the rows that leave (and come back to) the busiest rank.
@@ -100,11 +114,19 @@ double moe_routed_activation_bytes(const ModelSpec& m, const Layout& l, double E
   // weighted row (kept by the scatter-add), the row's weight, the [N, 2] int64 (expert,
   // token) pairs (token: a view of them) and the weight gather's flat int64 index.
   bytes += d.routed_rows * (2 * h * E + E + 16 + 8);
-  // Per row the busiest rank's experts process: their input, fc1's and the activation's
-  // outputs, the row's expert (int64, for the biases), and at EP > 1 the int64 regrouping
-  // order and its inverse.
+  // Per row the busiest rank receives: at EP > 1 the int64 regrouping order and its inverse.
+  bytes += d.expert_rows * (l.ep > 1 ? 16 : 0);
+  // Per row its experts process (the ETP group's etp R gathered rows, R at ETP 1): their
+  // input, and fc1's and the activation's outputs at 1/etp of the width (etp x the rows:
+  // the ETP 1 bytes).
   const double act = (m.swiglu ? 3.0 : 2.0) * f;
-  bytes += d.expert_rows * ((h + act) * E + (m.add_bias_linear ? 8 : 0) + (l.ep > 1 ? 16 : 0));
+  bytes += d.etp_rows * h * E + d.expert_rows * act * E;
+  // With biases each row's expert (int64) for fc1's bias on the rows the experts process,
+  // and again for fc2's, added to the rank's own R rows (after the reduce-scatter under ETP).
+  if (m.add_bias_linear) bytes += 8 * (d.etp_rows + d.expert_rows);
+  // At ETP > 1 the gathered rows come by ETP rank: an int64 order groups them by expert and
+  // its inverse returns the partial outputs by rank.
+  if (l.etp > 1) bytes += 16 * d.etp_rows;
   // The grouped GEMMs' int32 group offsets, one per projection.
   bytes += 2 * 4 * static_cast<double>(m.num_experts / l.ep);
   return bytes;

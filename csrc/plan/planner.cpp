@@ -48,6 +48,16 @@ std::vector<int64_t> choices(const std::optional<int64_t>& fixed, std::vector<in
   return fixed ? std::vector<int64_t>{*fixed} : all;
 }
 
+// Searched ETP sizes: each expert's shards over divisors of the ranks an EP rank's experts
+// fold into (TP*CP*DP / EP) that split the expert FFN size; 1 for dense models.
+std::vector<int64_t> expert_tp_sizes(const ModelSpec& m, int64_t stage, int64_t ep) {
+  std::vector<int64_t> out{1};
+  if (!m.is_moe() || ep < 1 || stage % ep) return out;
+  for (int64_t e = 2; e <= stage / ep; ++e)
+    if ((stage / ep) % e == 0 && m.moe_ffn() % e == 0) out.push_back(e);
+  return out;
+}
+
 std::string gb(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
@@ -74,6 +84,10 @@ PlanResult plan(const PlanRequest& r) {
                   "; give 1 for no expert parallelism or leave it out to search it");
   MEGATORCH_CHECK(moe || r.ep.value_or(1) == 1, "expected --expert-model-parallel-size 1 for a dense model, got ",
                   r.ep.value_or(1), "; give --num-experts to plan a mixture of experts");
+  MEGATORCH_CHECK(!r.etp || *r.etp >= 1, "expected --expert-tensor-parallel-size >= 1, got ", r.etp.value_or(0),
+                  "; give 1 to keep every expert whole, or a size dividing TP*CP*DP/EP and the expert FFN size");
+  MEGATORCH_CHECK(moe || r.etp.value_or(1) == 1, "expected --expert-tensor-parallel-size 1 for a dense model, got ",
+                  r.etp.value_or(1), "; give --num-experts to plan a mixture of experts");
   if (r.tp && r.pp && r.dp && (r.cp.value_or(1) == 1)) {
     // Without a fixed CP the rest of the GPUs may go to CP: the product must divide them.
     const int64_t prod = *r.tp * *r.pp * *r.dp;
@@ -110,6 +124,38 @@ PlanResult plan(const PlanRequest& r) {
   const double capacity = c.memory_bytes();
   std::optional<Layout> smallest;  // least memory among valid layouts, for the error message
   double smallest_bound = 0;
+  // One layout: refused (kept as an example of why), or screened and simulated against the
+  // memory, and ranked if it fits.
+  const auto consider = [&](const Layout& l, bool example) {
+    const std::string err = layout_error(r.model, l, n, r.global_batch);
+    if (!err.empty()) {
+      if (result.invalid_examples.size() < 3 && example) result.invalid_examples.push_back(l.str() + ": " + err);
+      return;
+    }
+    ++result.considered;
+    // Screen before simulating: the exact static bytes plus the 1F1B in-flight
+    // activations are a lower bound (interleaving only adds to them).
+    double per_layer = activation_bytes_per_layer(r.model, l, mo.activations);
+    if (moe && num_moe_layers(r.model) == r.model.num_layers)
+      per_layer = moe_activation_bytes_per_layer(r.model, l, mo.activations);
+    else if (moe && num_moe_layers(r.model) > 0)
+      per_layer = std::min(per_layer, moe_activation_bytes_per_layer(r.model, l, mo.activations));
+    const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
+                         per_layer * static_cast<double>(r.model.num_layers / l.pp) *
+                             static_cast<double>(std::min<int64_t>(l.pp, l.num_microbatches(r.global_batch)));
+    if (bound > capacity) {
+      ++result.too_big;
+      if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
+      return;
+    }
+    Candidate cand = evaluate_cached(r, l, cache);
+    if (cand.memory.total() > capacity) {
+      ++result.too_big;
+      if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
+      return;
+    }
+    result.ranked.push_back(std::move(cand));
+  };
   for (int64_t tp : choices(r.tp, tps))
     for (int64_t pp : choices(r.pp, pps))
       for (int64_t cp : choices(r.cp, cps)) {
@@ -138,46 +184,18 @@ PlanResult plan(const PlanRequest& r) {
             if ((tp * cp * dp) % e == 0 && r.model.num_experts % e == 0) eps.push_back(e);
         }
         for (int64_t ep : choices(r.ep, eps))
-          for (int64_t v : choices(r.vpp, vpps))
-            for (int64_t b : choices(r.micro_batch, mbs))
-              for (int zero : zeros)
-                for (Recompute rc : recomputes)
-                  for (bool sp : {false, true}) {
-                    if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
-                    // What the trainer refuses with experts is no example of what was fixed.
-                    if (moe && zero == 3 && !r.zero_stage) continue;
-                    Layout l{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type, ep};
-                    const std::string err = layout_error(r.model, l, n, r.global_batch);
-                    if (!err.empty()) {
+          for (int64_t etp : choices(r.etp, expert_tp_sizes(r.model, tp * cp * dp, ep)))
+            for (int64_t v : choices(r.vpp, vpps))
+              for (int64_t b : choices(r.micro_batch, mbs))
+                for (int zero : zeros)
+                  for (Recompute rc : recomputes)
+                    for (bool sp : {false, true}) {
+                      if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
+                      // What the trainer refuses with experts is no example of what was fixed.
+                      if (moe && zero == 3 && !r.zero_stage) continue;
                       // A searched CP > 1 that does not fit the model is no example of what was fixed.
-                      if (result.invalid_examples.size() < 3 && (cp == 1 || r.cp))
-                        result.invalid_examples.push_back(l.str() + ": " + err);
-                      continue;
+                      consider(Layout{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type, ep, etp}, cp == 1 || r.cp);
                     }
-                    ++result.considered;
-                    // Screen before simulating: the exact static bytes plus the 1F1B in-flight
-                    // activations are a lower bound (interleaving only adds to them).
-                    double per_layer = activation_bytes_per_layer(r.model, l, mo.activations);
-                    if (moe && num_moe_layers(r.model) == r.model.num_layers)
-                      per_layer = moe_activation_bytes_per_layer(r.model, l, mo.activations);
-                    else if (moe && num_moe_layers(r.model) > 0)
-                      per_layer = std::min(per_layer, moe_activation_bytes_per_layer(r.model, l, mo.activations));
-                    const double bound = zero_bytes_per_rank(r.model, l, r.precision, 0).total() + mo.reserved_bytes +
-                                         per_layer * static_cast<double>(r.model.num_layers / pp) *
-                                             static_cast<double>(std::min<int64_t>(pp, l.num_microbatches(r.global_batch)));
-                    if (bound > capacity) {
-                      ++result.too_big;
-                      if (!smallest || bound < smallest_bound) smallest = l, smallest_bound = bound;
-                      continue;
-                    }
-                    Candidate cand = evaluate_cached(r, l, cache);
-                    if (cand.memory.total() > capacity) {
-                      ++result.too_big;
-                      if (!smallest || cand.memory.total() < smallest_bound) smallest = l, smallest_bound = cand.memory.total();
-                      continue;
-                    }
-                    result.ranked.push_back(std::move(cand));
-                  }
       }
   if (result.considered == 0) {
     std::string why;
@@ -194,6 +212,8 @@ PlanResult plan(const PlanRequest& r) {
                    gb(capacity * n), " in all ", n, " GPUs. Add GPUs (--nodes), memory (--gpu-memory-gb), ZeRO, "
                    "recomputation", r.cp ? ", context parallelism (a larger --context-parallel-size)" : "",
                    moe && r.ep ? ", expert parallelism (a larger --expert-model-parallel-size)" : "",
+                   moe && r.etp.value_or(1) > 1 ? ", expert tensor parallelism (a larger --expert-tensor-parallel-size)"
+                                                : "",
                    " or a smaller micro-batch.");
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Candidate& a, const Candidate& b) {

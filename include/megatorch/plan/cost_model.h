@@ -56,6 +56,7 @@ struct TimeBreakdown {
   double tp_comm = 0;      // TP/SP all-reduces or all-gathers + reduce-scatters (not overlapped)
   double cp_comm = 0;      // CP exchange not hidden under attention (cp_traffic_per_layer; 0 at cp = 1)
   double ep_comm = 0;      // MoE token dispatch and combine (moe_traffic_per_layer; 0 without experts or at EP 1)
+  double etp_comm = 0;     // of which expert tensor parallelism's all-gathers and reduce-scatters (0 at ETP 1)
   double p2p = 0;          // pipeline sends/receives (blocking)
   double bubble = 0;       // pipeline idle time of the slowest stage, from the simulator
   double dp_comm = 0;      // gradient reduction (+ ZeRO-3 parameter gathers), after the pipeline
@@ -100,12 +101,16 @@ CpTraffic cp_traffic_per_layer(const ModelSpec& model, const Layout& layout, con
 // moe.h: all-to-all or all-gather + reduce-scatter, the busiest rank's share under the
 // imbalance margin) and how long it takes. Nothing hides it (megatorch does not overlap the
 // dispatch with compute): exposed = transfer; full recompute repeats the forward's. Over
-// NVLink when the EP group (ep consecutive ranks of a stage, expert tensor parallel size
-// 1) fits in a node, else over the node's network share. All zero at EP 1.
+// NVLink when the EP group (ep ranks etp apart: ep*etp consecutive ranks of a stage) fits
+// in a node, else over the node's network share. All zero at EP 1. The ETP group's
+// all-gather and reduce-scatter the same way (not overlapped, repeated by full recompute),
+// over NVLink when its etp consecutive ranks fit in a node; zero at ETP 1.
 struct MoeTraffic {
   MoeDispatch dispatch;
   double forward_s = 0, backward_s = 0, recompute_s = 0;
   bool intra_node = true;
+  double etp_forward_s = 0, etp_backward_s = 0, etp_recompute_s = 0;
+  bool etp_intra_node = true;
 };
 MoeTraffic moe_traffic_per_layer(const ModelSpec& model, const Layout& layout, const Cluster& cluster,
                                  const Calibration& cal, Precision precision = Precision::kBf16);

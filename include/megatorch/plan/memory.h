@@ -33,7 +33,7 @@ StateBytes zero_state_bytes(double num_params, int64_t dp, int zero_stage, Preci
 // (expert_zero_bytes_per_rank).
 StateBytes zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Precision precision, int64_t pp_rank = 0);
 // The rank's experts (expert_params_per_rank) sharded over the expert-DP group
-// (layout.edp() = tp*cp*dp/ep ranks), as TrainingLoop's expert optimizer holds them:
+// (layout.edp() = tp*cp*dp/(ep*etp) ranks), as TrainingLoop's expert optimizer holds them:
 // replicated at ZeRO 0, optimizer states (1) and gradients (2) sharded. Zero for dense models.
 StateBytes expert_zero_bytes_per_rank(const ModelSpec& model, const Layout& layout, Precision precision,
                                       int64_t pp_rank = 0);

@@ -95,28 +95,32 @@ struct Layout {
   int64_t cp = 1;
   CpCommType cp_comm = CpCommType::kP2P;
   // Expert parallelism (MoE): each pipeline stage's tp*cp*dp ranks re-split for the expert
-  // layers as ep x edp (Megatron's parallel folding, expert tensor parallel size 1: every
-  // expert whole on its rank). An EP rank holds num_experts / ep experts of each MoE layer.
+  // layers as etp x ep x edp, etp fastest (Megatron's parallel folding). An EP rank holds
+  // num_experts / ep experts of each MoE layer; expert tensor parallelism splits each of them
+  // over etp ranks as a TP MLP (fc1 by columns, fc2 by rows; 1: every expert whole).
   int64_t ep = 1;
+  int64_t etp = 1;
 
   int64_t gpus() const { return tp * cp * pp * dp; }
-  // The ranks holding the same experts: expert gradients are reduced and ZeRO shards over them.
-  int64_t edp() const { return tp * cp * dp / ep; }
+  // The ranks holding the same expert shards: expert gradients are reduced and ZeRO shards
+  // over them.
+  int64_t edp() const { return tp * cp * dp / (ep * etp); }
   // Micro-batches per step of one pipeline: global_batch / (micro_batch * dp). CP ranks work
   // on the same sequences, so cp does not divide the batch.
   int64_t num_microbatches(int64_t global_batch) const { return global_batch / (micro_batch * dp); }
   // The ranks that hold the same parameters: gradients are reduced and ZeRO shards over them.
   int64_t dp_cp() const { return dp * cp; }
   // "TP=8 PP=8 DP=24 VP=2 ZeRO-1 mb=1 recompute=full SP"; with CP after TP, as in the rank
-  // order: "TP=2 CP=4(p2p) PP=2 DP=1 ...", and EP after DP: "... DP=4 EP=8 ZeRO-1 ...". cp = 1
-  // and ep = 1 print as before CP and EP existed.
+  // order: "TP=2 CP=4(p2p) PP=2 DP=1 ...", EP after DP: "... DP=4 EP=8 ZeRO-1 ...", and ETP
+  // after EP: "... EP=4 ETP=2 ZeRO-1 ...". cp, ep and etp = 1 print as before they existed.
   std::string str() const;
 };
 
 // Checks the layout against the model, the GPU count and the global batch; fails naming the
 // constraint (e.g. TP*PP*DP != GPUs, heads not divisible by TP, batch not divisible by mb*DP,
 // the sequence not divisible by 2*CP, a2a's heads per TP rank not divisible by CP; with
-// experts: EP not dividing TP*CP*DP or the experts, ZeRO-3).
+// experts: EP not dividing TP*CP*DP or the experts, EP*ETP not dividing TP*CP*DP, ETP not
+// dividing the expert FFN size, ZeRO-3; EP or ETP > 1 for a dense model).
 void validate_layout(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
 // The same checks, returning the first failure's message instead of throwing ("" when valid).
 std::string layout_error(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
@@ -142,8 +146,8 @@ int64_t total_params(const ModelSpec& m);
 // every expert of its MoE layers (EP 1) at one virtual chunk per rank.
 int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank);
 // The same under a layout: the dense parameters (what the DP x CP optimizer holds) plus the
-// experts (num_experts / ep per MoE layer of the rank's chunks, what the expert-DP
-// optimizer holds; moe.h). Equal to the 4-argument form for dense models.
+// experts (num_experts / ep per MoE layer of the rank's chunks, each its 1/etp shard: what
+// the expert-DP optimizer holds; moe.h). Equal to the 4-argument form for dense models.
 int64_t params_per_rank(const ModelSpec& m, const Layout& layout, int64_t pp_rank);
 int64_t dense_params_per_rank(const ModelSpec& m, const Layout& layout, int64_t pp_rank);
 

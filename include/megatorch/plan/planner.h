@@ -1,6 +1,6 @@
 #pragma once
 // The planner: enumerates the layouts of a model on a cluster (TP <= GPUs per node, CP, PP,
-// DP, EP for a mixture of experts, virtual stages, ZeRO stage, micro-batch, recompute, SP),
+// DP, EP and ETP for a mixture of experts, virtual stages, ZeRO stage, micro-batch, recompute, SP),
 // predicts each one's memory and step time, rejects those that do not fit and ranks the
 // rest. Any knob can be fixed.
 #include <cstdint>
@@ -35,6 +35,10 @@ struct PlanRequest {
   // divisors of TP*CP*DP that divide the experts. Searched layouts of an MoE model leave
   // out ZeRO-3, which the trainer refuses with experts.
   std::optional<int64_t> ep;
+  // Expert tensor parallelism: fixed at 1 (every expert whole) unless set otherwise; reset
+  // to search the divisors of TP*CP*DP/EP that divide the expert FFN size. Dense models run
+  // ETP 1.
+  std::optional<int64_t> etp = 1;
   std::optional<int> zero_stage;
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;
