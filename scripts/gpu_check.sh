@@ -80,6 +80,17 @@ step_build() {
     return 1
   fi
   [[ $found == /usr/include ]] || export CPLUS_INCLUDE_PATH="$found${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+  # The compiler: MEGATORCH_CXX, else the system's g++, not the image's default CXX. The H200
+  # image's /opt/gcc/bin/g++ instantiates libstdc++'s extern templates (std::ostream::
+  # _M_insert<long>, ...) into the library itself; inside a Python process those copies
+  # crash formatting an integer, so every error message with a number segfaulted instead
+  # of raising RuntimeError. The system g++ leaves them to the libstdc++ that is loaded.
+  local cxx="${MEGATORCH_CXX:-}"
+  [[ -z "$cxx" && -x /usr/bin/g++ ]] && cxx=/usr/bin/g++
+  if [[ -n "$cxx" ]]; then
+    export CXX="$cxx" CUDAHOSTCXX="$cxx"
+    mt_log "C++ compiler: $cxx"
+  fi
   # The library and its Python extension (megatorch.cpp, for the GPT benchmark) are all the
   # GPU tests and benchmarks load (no Catch2 or examples needed).
   local configure=()
