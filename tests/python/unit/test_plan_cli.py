@@ -288,8 +288,8 @@ def test_moe_explain_shows_the_expert_layout_and_dispatch():
 
 
 def test_moe_errors_name_the_flag():
-    out = run(*MIXTRAL, *MOE_LAYOUT, "--expert-tensor-parallel-size", "2")
-    assert out.returncode != 0 and "--expert-tensor-parallel-size 2 is not supported" in out.stderr
+    out = run(*MIXTRAL, *MOE_LAYOUT, "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "8")
+    assert out.returncode != 0 and "EP*ETP = 8*8 = 64 does not divide the TP*CP*DP = 32 ranks" in out.stderr
     out = run(*MIXTRAL, *MOE_LAYOUT, "--moe-imbalance-margin", "0.5")
     assert out.returncode != 0 and "--moe-imbalance-margin >= 1" in out.stderr
     out = run(*MIXTRAL, *MOE_LAYOUT, "--moe-token-dispatcher-type", "ring")
