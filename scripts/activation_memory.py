@@ -262,17 +262,21 @@ def megatorch_cp_bytes(setting, shape, t, c, act_bytes, mask_bytes, comm="p2p", 
         cp_differences(setting, shape, t, c, act_bytes, comm).values())
 
 
-def planned_layer_bytes(plan, shape: Shape, setting: str, *flags, c: int = 1, comm: str = "p2p") -> float:
+def planned_layer_bytes(plan, shape: Shape, setting: str, *flags, c: int = 1, comm: str = "p2p",
+                        dp: int = 1) -> float:
     """megatorch-plan's (`plan`, the binary's path) activation bytes for one layer of `shape` and
-    one micro-batch in flight, fp32, t = 1, at CP c; `flags` describe how activations are kept
-    (--mask-bytes, --megatorch-activations, --math-attention, --flash-attention)."""
+    one micro-batch in flight, fp32, t = 1, at CP c and DP dp (c·dp GPUs, each rank a micro-batch
+    of shape.b sequences; dp > 1 leaves room for expert tensor parallelism, EP·ETP dividing
+    CP·DP); `flags` describe how activations are kept (--mask-bytes, --megatorch-activations,
+    --math-attention, --flash-attention) and the model (MoE flags, --expert-tensor-parallel-size)."""
     if not os.path.exists(plan):
         raise FileNotFoundError(f"{plan} is not built: run scripts/build.sh")
     out = subprocess.run([str(plan), "--num-layers", "1", "--hidden-size", str(shape.h), "--num-attention-heads",
-                          str(shape.a), "--seq-length", str(shape.s), "--vocab-size", "256", "--gpus-per-node", str(c),
-                          "--nodes", "1", "--global-batch-size", str(shape.b), "--micro-batch-size", str(shape.b),
+                          str(shape.a), "--seq-length", str(shape.s), "--vocab-size", "256",
+                          "--gpus-per-node", str(c * dp), "--nodes", "1", "--global-batch-size", str(shape.b * dp),
+                          "--micro-batch-size", str(shape.b),
                           "--precision", "fp32", "--tensor-model-parallel-size", "1",
-                          "--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
+                          "--pipeline-model-parallel-size", "1", "--data-parallel-size", str(dp),
                           "--context-parallel-size", str(c), "--cp-comm-type", comm, "--recompute-granularity", setting,
                           "--zero-stage", "0", *flags, "--json"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:

@@ -1,6 +1,7 @@
 """build/bin/megatorch-plan: flags, --json, --explain, errors, calibration round trip, context
 parallelism, mixture of experts, and its activation memory against what the real megatorch
-layer (dense and MoE) saves (scripts/activation_memory.py)."""
+layer (dense and MoE, MoE also at expert tensor parallelism 2 under torchrun) saves
+(scripts/activation_memory.py)."""
 import json
 import os
 import subprocess
@@ -165,11 +166,12 @@ def _measure(shape, setting, attention_dropout=None):
     return am.measure_layer(config, shape[1]).bytes
 
 
-def _planned_layer_bytes(shape, setting, *flags):
-    """megatorch-plan's activation bytes for one layer and one micro-batch in flight, fp32."""
+def _planned_layer_bytes(shape, setting, *flags, dp=1):
+    """megatorch-plan's activation bytes for one layer and one micro-batch in flight, fp32,
+    at DP dp (dp > 1: room for expert tensor parallelism over the data-parallel ranks)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import activation_memory as am  # noqa: E402  (needs megatorch.cpp)
-    return am.planned_layer_bytes(CLI, am.Shape(*shape), setting, *flags)
+    return am.planned_layer_bytes(CLI, am.Shape(*shape), setting, *flags, dp=dp)
 
 
 @pytest.mark.parametrize("shape", [(512, 1, 256, 8), (256, 2, 512, 8)])
@@ -307,14 +309,15 @@ def test_moe_errors_name_the_flag():
 MOE_SHAPE = (64, 2, 32, 4)  # (s, b, h, a)
 
 
-def _moe_config(setting, swiglu, bias, fused, shared, dtype=None):
+def _moe_config(setting, swiglu, bias, fused, shared, dtype=None, **groups):
+    """`groups`: TransformerConfig's group fields (expert_tensor_parallel_group=...)."""
     import megatorch.cpp as mt  # noqa: E402  (needs the built extension)
     recompute = "selective" if "selective" in setting else "full" if "full" in setting else "none"
     s, b, h, a = MOE_SHAPE
     kw = dict(hidden_size=h, num_attention_heads=a, seq_length=s, hidden_dropout=0.1, attention_dropout=0.0,
               recompute=recompute, seed=1234, fused_kernels=fused, num_experts=4, moe_router_topk=2,
               moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=shared, add_bias_linear=bias,
-              activation="swiglu" if swiglu else "gelu_tanh")
+              activation="swiglu" if swiglu else "gelu_tanh", **groups)
     if dtype is not None:
         kw["params_dtype"] = dtype
     return mt.TransformerConfig(**kw)
@@ -322,6 +325,12 @@ def _moe_config(setting, swiglu, bias, fused, shared, dtype=None):
 
 def _measure_moe_layer(config, dtype):
     """Bytes one MoE TransformerLayer saves for backward (scripts/activation_memory.py's count)."""
+    return _moe_layer_saved(config, dtype)[0].bytes
+
+
+def _moe_layer_saved(config, dtype):
+    """(what one MoE TransformerLayer saves for backward: scripts/activation_memory.py's
+    Measurement, the layer) after a forward and backward on a random [s, b, h] input."""
     import torch
     import megatorch.cpp as mt  # noqa: E402
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -334,28 +343,75 @@ def _measure_moe_layer(config, dtype):
     with saved.hooks():
         y = layer(x)
     y.float().sum().backward()
-    return saved.out.bytes
+    return saved.out, layer
 
 
 # (SwiGLU, biases, fused kernels, shared expert width): the unfused layer keeps 4-byte
 # dropout masks on CPU, the fused one 1-byte masks and SwiGLU's input and output only.
 MOE_VARIANTS = [(False, True, False, 0), (True, False, True, 64), (False, True, True, 32)]
+MOE_SETTINGS = ["none", "selective", "full"]
 
 
-@pytest.mark.parametrize("variant", MOE_VARIANTS)
-@pytest.mark.parametrize("setting", ["none", "selective", "full"])
-def test_moe_activation_memory_equals_the_real_layer(variant, setting):
-    """One MoE layer at EP 1 (every expert on the rank: T k rows, whatever the routing), fp32,
-    attention dropout 0 (flash attention): the planner's count equals what the layer saves."""
-    import torch
-    swiglu, bias, fused, shared = variant
-    measured = _measure_moe_layer(_moe_config(setting, swiglu, bias, fused, shared), torch.float32)
+def _moe_flags(swiglu, bias, fused, shared):
+    """megatorch-plan's flags for _moe_config's layer (fp32, flash attention, CPU masks)."""
     flags = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
              "--moe-shared-expert-intermediate-size", str(shared), "--mask-bytes", "1" if fused else "4",
              "--megatorch-activations", "--flash-attention"]
     flags += ["--swiglu"] if swiglu else []
     flags += [] if bias else ["--disable-bias-linear"]
-    assert _planned_layer_bytes(MOE_SHAPE, setting, *flags) == measured
+    return flags
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+@pytest.mark.parametrize("setting", MOE_SETTINGS)
+def test_moe_activation_memory_equals_the_real_layer(variant, setting):
+    """One MoE layer at EP 1 (every expert on the rank: T k rows, whatever the routing), fp32,
+    attention dropout 0 (flash attention): the planner's count equals what the layer saves."""
+    import torch
+    measured = _measure_moe_layer(_moe_config(setting, *variant), torch.float32)
+    assert _planned_layer_bytes(MOE_SHAPE, setting, *_moe_flags(*variant)) == measured
+
+
+def test_moe_activation_memory_at_expert_tensor_parallel_2_equals_the_real_layers(tmp_path):
+    """The same layers at ETP 2 over 2 gloo ranks (tests/python/unit/moe_etp_activations_worker.py
+    under torchrun, one launch for every variant and setting), each rank with its own tokens.
+    At EP 1 each rank's experts get exactly its T k rows, so the planner's R = T k (margin 1)
+    is exact on every rank, whatever the routing. Each rank's bytes equal the planner's at
+    --expert-tensor-parallel-size 2 (DP 2: the layout whose ranks hold ETP 2)."""
+    worker = Path(__file__).resolve().parent / "moe_etp_activations_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
+           str(tmp_path)]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as sink:
+        ranks = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60"))
+    try:  # the planner's counts while the ranks run
+        planned = {(variant, setting): _planned_layer_bytes(MOE_SHAPE, setting, *_moe_flags(*variant),
+                                                            "--expert-model-parallel-size", "1",
+                                                            "--expert-tensor-parallel-size", "2", dp=2)
+                   for variant in MOE_VARIANTS for setting in MOE_SETTINGS}
+        at_etp1 = {variant: _planned_layer_bytes(MOE_SHAPE, "none", *_moe_flags(*variant)) for variant in MOE_VARIANTS}
+        ranks.wait(timeout=300)
+    finally:
+        if ranks.poll() is None:  # torchrun stops its workers on SIGTERM
+            ranks.terminate()
+            ranks.wait(timeout=60)
+    assert ranks.returncode == 0, log.read_text()[-6000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    T, k, h, E = MOE_SHAPE[0] * MOE_SHAPE[1], 2, MOE_SHAPE[2], 4
+    for variant in MOE_VARIANTS:
+        swiglu, bias = variant[:2]
+        for setting in MOE_SETTINGS:
+            for rank in range(2):
+                m = got[rank][f"{variant} {setting}"]
+                # The rank's ETP shard: fc1 96/2 columns (gate and up each), fc2 96/2 rows.
+                assert m["fc1_weight"] == [4, h, 48 * (2 if swiglu else 1)] and m["fc2_weight"] == [4, 48, h]
+                assert m["bytes"] == planned[variant, setting], (rank, variant, setting, m["storages"])
+        # Beyond ETP 1 (R = T k rows, 2 R gathered): the gathered input's other R rows, the gathered
+        # rows' int64 order and inverse, and with biases fc1's int64 expert index on the other R rows;
+        # fc1 and the activation keep as many bytes (2 R rows at half the width).
+        R = T * k
+        assert planned[variant, "none"] - at_etp1[variant] == R * h * E + 16 * 2 * R + (8 * R if bias else 0)
 
 
 def test_moe_activation_memory_bf16_keeps_the_routers_fp32_copies():
