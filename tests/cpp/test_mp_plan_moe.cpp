@@ -1,6 +1,7 @@
 // megatorch-plan's mixture-of-experts numbers against the real thing under torchrun: the
 // token dispatch bytes of an MoE layer whose routing is exactly uniform equal the EP
-// group's counters (all-to-all and all-gather dispatchers, forward and backward), and
+// group's counters (all-to-all and all-gather dispatchers, forward and backward), the
+// expert-TP bytes the ETP group's, and
 // TrainingLoop's parameter count and each rank's dense and expert optimizers (parameters,
 // and their bytes summed over the group that shards them) equal the planner's, exactly.
 #include <catch2/catch.hpp>
@@ -83,11 +84,47 @@ TEST_CASE("The planner's dispatch bytes equal the EP group's counters for exactl
   }
 }
 
+TEST_CASE("The planner's expert-TP bytes equal the ETP group's counters", "[mp][moe][plan]") {
+  // Every expert split over all ranks (EP 1, ETP = world): each rank's T k routed rows are
+  // all-gathered over ETP and the partial outputs reduce-scattered back, whatever the routing.
+  const int64_t world = mp::world_size();
+  auto st = mp::state(1, 1, "plan_moe_etp", 1, 1, world);
+  const std::string etp = st->group_name(GroupKind::kExpertTensor);
+  Group etpg(etp);
+  const int64_t h = 16, s = 8, b = 2, k = 2;
+  const auto config = TransformerConfig()
+                          .hidden_size(h)
+                          .num_attention_heads(2)
+                          .seq_length(s)
+                          .num_experts(4)
+                          .moe_router_topk(k)
+                          .moe_ffn_hidden_size(4 * world)
+                          .expert_tensor_parallel_group(etp)
+                          .seed(5);
+  moe::MoELayer layer{moe::MoELayerOptions(config)};
+  const at::Tensor x = at::randn({s, b, h}).requires_grad_();
+  etpg.reset_stats();
+  const at::Tensor out = layer->forward(x);
+  const auto forward = etpg.stats();
+  out.backward(at::ones_like(out));
+  const auto all = etpg.stats();
+
+  const plan::ModelSpec m = plan::from_transformer_config(config);
+  plan::Layout l;
+  l.dp = world, l.etp = world, l.micro_batch = b;
+  const plan::MoeDispatch d = plan::moe_dispatch(m, l, 4);  // fp32
+  CHECK(d.etp_rows == static_cast<double>(world * s * b * k));
+  // The counters are the bytes sent to other ranks (the row counts' all-gather apart).
+  CHECK(static_cast<double>(forward[CommOp::kAllToAll].bytes) == d.etp_forward_bytes);
+  CHECK(static_cast<double>(all[CommOp::kAllToAll].bytes - forward[CommOp::kAllToAll].bytes) == d.etp_backward_bytes);
+}
+
 namespace {
 
 struct Case {
   int64_t tp, pp, ep;
   bool sp = true;  // at TP > 1
+  int64_t etp = 1;
 };
 
 // The bytes each rank of `group` holds of every kind, summed over the group: what the
@@ -122,7 +159,11 @@ TEST_CASE("TrainingLoop's parameter count and every rank's dense and expert opti
           "[mp][moe][plan]") {
   const int64_t world = mp::world_size();
   std::vector<Case> cases{{1, 1, world}, {2, 1, 2}, {1, 2, 1}};
-  if (world == 4) cases.insert(cases.end(), {{1, 1, 2}, {2, 1, 4}, {1, 2, 2}, {2, 2, 2}, {2, 1, 2, false}});
+  if (world % 2 == 0) cases.push_back({1, 1, 1, true, 2});  // each expert over two DP ranks
+  if (world == 4) {
+    cases.insert(cases.end(), {{1, 1, 2}, {2, 1, 4}, {1, 2, 2}, {2, 2, 2}, {2, 1, 2, false}});
+    cases.insert(cases.end(), {{2, 1, 2, true, 2}, {2, 1, 1, false, 2}, {1, 2, 1, true, 2}});  // ETP = TP; in a stage
+  }
   // GeLU with biases and a shared expert; SwiGLU without biases, 8 experts. Every second
   // layer of 4 an MoE layer: one per stage at PP 2.
   const std::vector<TransformerConfig> configs{
@@ -135,15 +176,16 @@ TEST_CASE("TrainingLoop's parameter count and every rank's dense and expert opti
       {2, at::kFloat, plan::Precision::kFp32}};
   int64_t n = 0;
   for (const Case& c : cases) {
-    if (world % (c.tp * c.pp) || (world / c.pp) % c.ep) continue;
+    if (world % (c.tp * c.pp) || (world / c.pp) % (c.ep * c.etp)) continue;
     for (const auto& [zero, dtype, precision] : recipes) {
       const TransformerConfig& base = configs[n % configs.size()];
-      INFO("tp " << c.tp << " pp " << c.pp << " ep " << c.ep << (c.sp ? "" : " no SP") << " ZeRO-" << zero << " "
-                 << dtype << " config " << n % 2);
+      INFO("tp " << c.tp << " pp " << c.pp << " ep " << c.ep << " etp " << c.etp << (c.sp ? "" : " no SP") << " ZeRO-"
+                 << zero << " " << dtype << " config " << n % 2);
       train::TrainingLoop loop(train::TrainingLoopOptions()
                                    .tensor_parallel(c.tp)
                                    .pipeline_parallel(c.pp)
                                    .expert_parallel(c.ep)
+                                   .expert_tensor_parallel(c.etp)
                                    .zero_stage(zero)
                                    .device("cpu")
                                    .print_summary(false)
@@ -151,6 +193,7 @@ TEST_CASE("TrainingLoop's parameter count and every rank's dense and expert opti
       const bool sp = c.sp && c.tp > 1;
       auto config = TransformerConfig(base).sequence_parallel(sp).params_dtype(dtype);
       if (c.ep > 1) config.expert_parallel_group(loop.ep_group());
+      if (c.etp > 1) config.expert_tensor_parallel_group(loop.etp_group());
       megatorch::pipeline::PipelineStage stage(
           megatorch::pipeline::PipelineStageOptions(config).tp_group(loop.tp_group()).pp_group(loop.pp_group()));
       loop.set_model(stage.ptr());
@@ -158,6 +201,7 @@ TEST_CASE("TrainingLoop's parameter count and every rank's dense and expert opti
       const plan::ModelSpec m = plan::from_transformer_config(config);
       plan::Layout l{c.tp, c.pp, world / (c.tp * c.pp), 1, zero, 1, plan::Recompute::kNone, sp};
       l.ep = c.ep;
+      l.etp = c.etp;
       REQUIRE(plan::layout_error(m, l, world, world).empty());
       const int64_t pp_rank = loop.parallel_state().pp_rank();
       CHECK(loop.num_parameters() == plan::total_params(m));
