@@ -81,11 +81,6 @@ at::Tensor expert_of_rows(const std::vector<int64_t>& counts, int64_t rows, cons
                                c10::nullopt, rows);
 }
 
-std::vector<int64_t> to_host(const at::Tensor& counts) {
-  const at::Tensor c = counts.to(at::kCPU, at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
 }  // namespace
 
 at::Tensor GroupedExpertsImpl::compute(const at::Tensor& rows, const std::vector<int64_t>& counts) {
@@ -114,7 +109,7 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector
     // each rank's columns give a partial output that the reduce-scatter sums per row.
     const std::string& group = options.etp_group();
     const std::vector<int64_t> all =
-        to_host(comm::Group(group).all_gather(at::tensor(counts, at::kLong).to(rows.device()), 0));  // [etp * local]
+        host_counts(comm::Group(group).all_gather(at::tensor(counts, at::kLong).to(rows.device()), 0));  // [etp * local]
     std::vector<int64_t> per_rank(etp.size, 0);
     for (int64_t r = 0; r < etp.size; ++r) {
       for (int64_t j = 0; j < local; ++j) per_rank[r] += all[r * local + j];

@@ -29,11 +29,6 @@ class AllToAllRows : public torch::autograd::Function<AllToAllRows> {
   }
 };
 
-std::vector<int64_t> to_host(const at::Tensor& counts) {
-  const at::Tensor c = counts.to(at::kCPU, at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
 // The (expert, token) rows of a selection [G, T], grouped by expert (tokens ascending in
 // each), with their weights from weights [T, E] (column = first_expert + g).
 struct Rows {
@@ -48,7 +43,7 @@ Rows select_rows(const at::Tensor& selection, const at::Tensor& weights, int64_t
   const at::Tensor expert = rows.select(1, 0) + first_expert;
   r.token = rows.select(1, 1).contiguous();
   r.weight = weights.reshape({-1}).index_select(0, r.token * weights.size(1) + expert);
-  r.counts = to_host(selection.sum(1));
+  r.counts = host_counts(selection.sum(1));
   return r;
 }
 
@@ -71,7 +66,7 @@ at::Tensor via_all_to_all(const at::Tensor& tokens, const Routing& routing, cons
   const at::Tensor permuted = tokens.index_select(0, rows.token);
   // Every rank's rows per expert: c(src, expert) = all[src * E + expert].
   const std::vector<int64_t> all =
-      to_host(comm::Group(ep).all_gather(at::tensor(rows.counts, at::kLong).to(tokens.device()), 0));
+      host_counts(comm::Group(ep).all_gather(at::tensor(rows.counts, at::kLong).to(tokens.device()), 0));
   const auto c = [&](int64_t src, int64_t expert) { return all[src * e + expert]; };
   std::vector<int64_t> send(p, 0), recv(p, 0), mine(p * local);  // mine: each source's rows per local expert
   for (int64_t r = 0; r < p; ++r) {
@@ -106,6 +101,11 @@ at::Tensor via_all_gather(const at::Tensor& tokens, const Routing& routing, cons
 at::Tensor all_to_all_rows(const at::Tensor& input, const std::string& group, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows) {
   return AllToAllRows::apply(input, group, send_rows, recv_rows);
+}
+
+std::vector<int64_t> host_counts(const at::Tensor& counts) {
+  const at::Tensor c = counts.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
 at::Tensor all_gather_rows(const at::Tensor& rows, const std::string& group, const std::vector<int64_t>& rows_per_rank) {

@@ -54,6 +54,28 @@ at::Tensor expert_shard(const std::string& name, const at::Tensor& full, int64_t
 
 const char* name_of(TokenDispatcher d) { return megatorch::transformer::to_string(d); }
 
+// The layer and the one-rank reference on the same input [5, 2, 16] and output gradient
+// (seeded by `seed` and this rank), forward and backward; `group`'s traffic of the layer's
+// forward is kept apart.
+struct LayerRun {
+  at::Tensor x, out, want, grad, want_grad;  // grad: the input's
+  megatorch::comm::CommStats forward;
+};
+LayerRun run_against_reference(moe::MoELayer& layer, moe::MoELayer& ref, Group& group, int64_t seed, int64_t rank) {
+  LayerRun r;
+  r.x = randn({5, 2, 16}, seed + rank);
+  const at::Tensor g = randn({5, 2, 16}, seed + 50 + rank);
+  auto xr = r.x.clone().requires_grad_(), xd = r.x.clone().requires_grad_();
+  group.reset_stats();
+  r.out = layer->forward(xd);
+  r.forward = group.stats();
+  r.want = ref->forward(xr);
+  r.out.backward(g);
+  r.want.backward(g);
+  r.grad = xd.grad(), r.want_grad = xr.grad();
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exactly the routed rows", "[mp][moe]") {
@@ -80,22 +102,16 @@ TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exac
       moe::MoELayer ref{moe::MoELayerOptions(base)};
       moe::MoELayer layer{moe::MoELayerOptions(TransformerConfig(base).expert_parallel_group(ep))};
       const int64_t h = 16, t = 10, e = base.num_experts(), local = e / world;
-      const at::Tensor x = randn({5, 2, h}, 40 + st->rank()), g = randn({5, 2, h}, 90 + st->rank());
-      auto xr = x.clone().requires_grad_(), xd = x.clone().requires_grad_();
-      epg.reset_stats();
-      const at::Tensor out = layer->forward(xd);
-      const auto forward_stats = epg.stats();
-      const at::Tensor want = ref->forward(xr);
-      CHECK(torch::allclose(out, want, 1e-5, 1e-6));
+      const LayerRun run = run_against_reference(layer, ref, epg, 40, st->rank());
+      const auto& forward_stats = run.forward;
+      CHECK(torch::allclose(run.out, run.want, 1e-5, 1e-6));
       // The rows each rank's experts process, from every rank's routing (the reference's).
-      const auto routing = ref->router->forward(x.reshape({t, h}));
+      const auto routing = ref->router->forward(run.x.reshape({t, h}));
       const at::Tensor rows = worldg.all_gather(routing.selection.sum(1), 0).reshape({world, e});  // [src, expert]
       const int64_t me = st->rank();
       const int64_t sent = rows[me].sum().item<int64_t>() - rows[me].narrow(0, me * local, local).sum().item<int64_t>();
       const int64_t received =
           rows.narrow(1, me * local, local).sum().item<int64_t>() - rows[me].narrow(0, me * local, local).sum().item<int64_t>();
-      out.backward(g);
-      want.backward(g);
       const auto all_stats = epg.stats();
       const int64_t row_bytes = h * 4;
       if (type == TokenDispatcher::kAllToAll) {
@@ -109,7 +125,7 @@ TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exac
         CHECK(forward_stats[CommOp::kReduceScatter].bytes == world * t * h * 4);
         CHECK(forward_stats[CommOp::kAllToAll].calls == 0);
       }
-      CHECK(torch::allclose(xd.grad(), xr.grad(), 1e-5, 1e-6));
+      CHECK(torch::allclose(run.grad, run.want_grad, 1e-5, 1e-6));
       CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
       // An expert's gradient gathers every rank's tokens routed to it.
       for (const auto& p : layer->experts->named_parameters()) {
@@ -164,25 +180,19 @@ TEST_CASE("An MoE layer with expert tensor parallelism equals one rank's; ETP mo
           }
         }
         const int64_t h = 16, t = 10;
-        const at::Tensor x = randn({5, 2, h}, 60 + st->rank()), g = randn({5, 2, h}, 70 + st->rank());
-        auto xr = x.clone().requires_grad_(), xd = x.clone().requires_grad_();
-        etpg.reset_stats();
-        const at::Tensor out = layer->forward(xd);
-        const auto forward_stats = etpg.stats();
-        const at::Tensor want = ref->forward(xr);
-        CHECK(torch::allclose(out, want, 1e-5, 1e-6));
-        out.backward(g);
-        want.backward(g);
+        const LayerRun run = run_against_reference(layer, ref, etpg, 60, st->rank());
+        CHECK(torch::allclose(run.out, run.want, 1e-5, 1e-6));
         if (ep == 1 && type == TokenDispatcher::kAllToAll) {
           // Each rank's routed rows, all-gathered (sent to etp - 1 ranks) and reduce-scattered
           // back (every other rank's rows sent to it); backward the same, transposed.
-          const at::Tensor rows = etpg.all_gather(ref->router->forward(x.reshape({t, h})).selection.sum().reshape({1}), 0);
+          const at::Tensor rows =
+              etpg.all_gather(ref->router->forward(run.x.reshape({t, h})).selection.sum().reshape({1}), 0);
           const int64_t mine = rows[etpg.rank()].item<int64_t>(), all = rows.sum().item<int64_t>();
           const int64_t row_bytes = h * 4;
-          CHECK(forward_stats[CommOp::kAllToAll].bytes == ((etp - 1) * mine + (all - mine)) * row_bytes);
+          CHECK(run.forward[CommOp::kAllToAll].bytes == ((etp - 1) * mine + (all - mine)) * row_bytes);
           CHECK(etpg.stats()[CommOp::kAllToAll].bytes == 2 * ((etp - 1) * mine + (all - mine)) * row_bytes);
         }
-        CHECK(torch::allclose(xd.grad(), xr.grad(), 1e-5, 1e-6));
+        CHECK(torch::allclose(run.grad, run.want_grad, 1e-5, 1e-6));
         CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
         // Each expert shard's gradient holds every rank's rows routed to its expert.
         for (const auto& p : layer->experts->named_parameters()) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "megatorch/plan/moe.h"
+#include "plan_test_util.h"
 #include "megatorch/plan/planner.h"
 
 using namespace megatorch;
@@ -22,16 +23,7 @@ Layout layout(int64_t tp, int64_t pp, int64_t dp, int64_t ep, int64_t etp = 1) {
   return l;
 }
 
-// Mixtral 8x7B's shape, as test_plan_moe.cpp has it.
-ModelSpec mixtral() {
-  ModelSpec m;
-  m.name = "mixtral";
-  m.num_layers = 32, m.hidden_size = 4096, m.num_attention_heads = 32, m.num_query_groups = 8;
-  m.ffn_hidden_size = 14336, m.vocab_size = 32000, m.seq_length = 4096;
-  m.swiglu = m.rms_norm = true, m.learned_positions = m.add_bias_linear = m.tie_embeddings = false;
-  m.num_experts = 8, m.moe_router_topk = 2;
-  return m;
-}
+using plan_test::mixtral;
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "gpt_test_util.h"
+#include "plan_test_util.h"
 #include "megatorch/models/gpt_model.h"
 #include "megatorch/moe/moe_layer.h"
 #include "megatorch/plan/moe.h"
@@ -58,16 +59,7 @@ Layout layout(int64_t tp, int64_t pp, int64_t dp, int64_t ep, int zero = 1, int6
   return l;
 }
 
-// Mixtral 8x7B's shape (46.7B parameters, 12.9B active).
-ModelSpec mixtral() {
-  ModelSpec m;
-  m.name = "mixtral";
-  m.num_layers = 32, m.hidden_size = 4096, m.num_attention_heads = 32, m.num_query_groups = 8;
-  m.ffn_hidden_size = 14336, m.vocab_size = 32000, m.seq_length = 4096;
-  m.swiglu = m.rms_norm = true, m.learned_positions = m.add_bias_linear = m.tie_embeddings = false;
-  m.num_experts = 8, m.moe_router_topk = 2;
-  return m;
-}
+using plan_test::mixtral;
 
 }  // namespace
 

@@ -50,6 +50,9 @@ at::Tensor all_gather_rows(const at::Tensor& rows, const std::string& group, con
 at::Tensor reduce_scatter_rows(const at::Tensor& rows, const std::string& group,
                                const std::vector<int64_t>& rows_per_rank);
 
+// A small integer tensor's values (row counts) on the host, as int64.
+std::vector<int64_t> host_counts(const at::Tensor& counts);
+
 // Rows that arrive by source, each source's grouped by local expert, regrouped by local
 // expert (sources ascending within each). count[src * local + j]: rows of source src for
 // local expert j. rows.index_select(0, order) is by expert; index_select(0, inverse) of
