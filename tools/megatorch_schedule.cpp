@@ -8,10 +8,12 @@
 //   megatorch-schedule --schedule interleaved --pipeline-model-parallel-size 4
 //       --num-microbatches 8 --virtual-pipeline-model-parallel-size 2 --json --svg t.svg
 //   megatorch-schedule -p 4 -m 8 --context-parallel-size 2 --seq-length 8192 --hidden-size 4096
+//   megatorch-schedule --schedule zb-h1 -p 4 -m 8 --f-cost 2 --b-cost 2 --w-cost 1
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "megatorch/check.h"
 #include "megatorch/pipeline/nccl_order_model.h"
@@ -89,21 +91,44 @@ std::string cp_share_line(const Args& a) {
          (a.sequence_parallel ? "/t" : "") + ", b, h] per rank; the tick costs are per chunk as given (with c in them)";
 }
 
+// The published bubble, where it holds: ZB-H1's needs W <= F and W <= B.
+std::optional<mp::Ratio> published_bubble(const Args& a, mp::ScheduleKind kind) {
+  const auto& c = a.costs;
+  if (kind == mp::ScheduleKind::kZeroBubbleH1 &&
+      (c.backward_weight_cost > c.forward_cost || c.backward_weight_cost > c.backward_input_cost)) {
+    return std::nullopt;
+  }
+  return mp::formula_bubble_fraction(kind, a.p, a.m, a.v, c);
+}
+
+const char* formula_text(mp::ScheduleKind kind) {
+  switch (kind) {
+    case mp::ScheduleKind::kInterleaved: return "(p-1)/(v*m)";
+    case mp::ScheduleKind::kZeroBubbleH1: return "(p-1)(F+B-W)/(m(F+B+W))";
+    default: return "(p-1)/m";
+  }
+}
+
 nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
                            const mp::NcclOrderReport& nccl, const std::vector<int64_t>& sends) {
-  const mp::Ratio formula = mp::formula_bubble_fraction(kind, a.p, a.m, a.v);
+  const std::optional<mp::Ratio> formula = published_bubble(a, kind);
   nlohmann::json j;
   j["schedule"] = mp::schedule_kind_name(kind);
   j["pipeline_model_parallel_size"] = a.p;
   j["num_microbatches"] = a.m;
   j["virtual_pipeline_model_parallel_size"] = a.v;
   j["costs"] = {{"forward", a.costs.forward_cost}, {"backward", a.costs.backward_cost}, {"p2p", a.costs.p2p_cost}};
+  if (mp::splits_backward(kind)) {
+    j["costs"]["backward_input"] = a.costs.backward_input_cost;
+    j["costs"]["backward_weight"] = a.costs.backward_weight_cost;
+  }
   j["makespan"] = sim.makespan;
   j["bubble_fraction"] = sim.bubble_fraction.value();
   j["bubble_fraction_exact"] = sim.bubble_fraction.str();
-  j["formula_bubble_fraction"] = formula.value();
-  j["formula_bubble_fraction_exact"] = formula.str();
-  j["matches_formula"] = sim.bubble_fraction == formula;
+  // null where the published formula does not hold for these costs
+  j["formula_bubble_fraction"] = formula ? nlohmann::json(formula->value()) : nlohmann::json();
+  j["formula_bubble_fraction_exact"] = formula ? nlohmann::json(formula->str()) : nlohmann::json();
+  j["matches_formula"] = formula && sim.bubble_fraction == *formula;
   auto per_rank = [&](auto field) {
     nlohmann::json list = nlohmann::json::array();
     for (const auto& r : sim.ranks) list.push_back(field(r));
@@ -141,18 +166,28 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
 
 void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
                    const mp::NcclOrderReport& nccl, const std::vector<int64_t>& sends) {
-  const mp::Ratio formula = mp::formula_bubble_fraction(kind, a.p, a.m, a.v);
+  const std::optional<mp::Ratio> formula = published_bubble(a, kind);
   std::printf("schedule %s: %lld stages, %lld micro-batches, %lld chunk(s) per stage\n", mp::schedule_kind_name(kind),
               static_cast<long long>(a.p), static_cast<long long>(a.m), static_cast<long long>(a.v));
-  std::printf("costs: forward %lld, backward %lld, p2p %lld ticks\n", static_cast<long long>(a.costs.forward_cost),
-              static_cast<long long>(a.costs.backward_cost), static_cast<long long>(a.costs.p2p_cost));
+  if (mp::splits_backward(kind)) {
+    std::printf("costs: forward %lld, backward input %lld, backward weight %lld, p2p %lld ticks\n",
+                static_cast<long long>(a.costs.forward_cost), static_cast<long long>(a.costs.backward_input_cost),
+                static_cast<long long>(a.costs.backward_weight_cost), static_cast<long long>(a.costs.p2p_cost));
+  } else {
+    std::printf("costs: forward %lld, backward %lld, p2p %lld ticks\n", static_cast<long long>(a.costs.forward_cost),
+                static_cast<long long>(a.costs.backward_cost), static_cast<long long>(a.costs.p2p_cost));
+  }
   std::printf("makespan %lld ticks\n", static_cast<long long>(sim.makespan));
-  std::printf("bubble (idle / busy) %s = %.4f; formula %s %s = %.4f%s\n", sim.bubble_fraction.str().c_str(),
-              sim.bubble_fraction.value(), kind == mp::ScheduleKind::kInterleaved ? "(p-1)/(v*m)" : "(p-1)/m",
-              formula.str().c_str(), formula.value(),
-              sim.bubble_fraction == formula ? " (equal)"
-              : a.costs.p2p_cost > 0         ? " (differs: the formula leaves out transfer latency)"
-                                             : " (differs)");
+  if (!formula) {
+    std::printf("bubble (idle / busy) %s = %.4f; formula %s holds only for W <= F and W <= B\n",
+                sim.bubble_fraction.str().c_str(), sim.bubble_fraction.value(), formula_text(kind));
+  } else {
+    std::printf("bubble (idle / busy) %s = %.4f; formula %s %s = %.4f%s\n", sim.bubble_fraction.str().c_str(),
+                sim.bubble_fraction.value(), formula_text(kind), formula->str().c_str(), formula->value(),
+                sim.bubble_fraction == *formula ? " (equal)"
+                : a.costs.p2p_cost > 0          ? " (differs: the formula leaves out transfer latency)"
+                                                : " (differs)");
+  }
   std::printf("%6s %8s %8s %10s %14s\n", "rank", "busy", "idle", "bubble", "peak in flight");
   for (size_t r = 0; r < sim.ranks.size(); ++r) {
     const auto& rep = sim.ranks[r];
@@ -242,8 +277,16 @@ int main(int argc, char** argv) {
   app.add_option("--num-microbatches,-m", a.m, "micro-batches M per step")->required();
   auto* v = app.add_option("--virtual-pipeline-model-parallel-size,-v", a.v,
                            "model chunks V per stage (interleaved only)");
-  app.add_option("--forward-cost", a.costs.forward_cost, "ticks per forward of one chunk")->capture_default_str();
-  app.add_option("--backward-cost", a.costs.backward_cost, "ticks per backward of one chunk")->capture_default_str();
+  app.add_option("--forward-cost,--f-cost", a.costs.forward_cost, "ticks per forward of one chunk")
+      ->capture_default_str();
+  auto* backward = app.add_option("--backward-cost", a.costs.backward_cost, "ticks per whole backward of one chunk")
+                       ->capture_default_str();
+  auto* b_cost = app.add_option("--b-cost", a.costs.backward_input_cost,
+                                "ticks per input-gradient pass B of a split backward (zb-h1)")
+                     ->capture_default_str();
+  auto* w_cost = app.add_option("--w-cost", a.costs.backward_weight_cost,
+                                "ticks per weight-gradient pass W of a split backward (zb-h1)")
+                     ->capture_default_str();
   app.add_option("--p2p-cost", a.costs.p2p_cost, "transfer latency in ticks (overlaps compute)")->capture_default_str();
   app.add_option("--context-parallel-size", a.cp, "CP size c: each rank holds S/c of every sequence")
       ->capture_default_str();
@@ -264,6 +307,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  // Given B and W, an unsplit backward costs their sum (so 1f1b compares with zb-h1).
+  if (backward->count() == 0 && (b_cost->count() > 0 || w_cost->count() > 0)) {
+    a.costs.backward_cost = a.costs.backward_input_cost + a.costs.backward_weight_cost;
   }
   try {
     if (mp::parse_schedule_kind(a.schedule) == mp::ScheduleKind::kInterleaved && v->count() == 0) {

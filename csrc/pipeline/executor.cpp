@@ -74,6 +74,8 @@ class StepRun {
 
   PipelineStepResult run() {
     MEGATORCH_CHECK(m_ >= 1, "pipeline: expected at least one micro-batch");
+    const std::string refusal = executor_refusal(options_.schedule());
+    MEGATORCH_CHECK(refusal.empty(), "pipeline: ", refusal);
     MEGATORCH_CHECK(options_.schedule() == ScheduleKind::kInterleaved || v_ == 1, "pipeline: the ",
                     schedule_kind_name(options_.schedule()), " schedule runs one chunk per stage, got ", v_,
                     " virtual chunks; use the interleaved schedule");
@@ -306,6 +308,13 @@ class StepRun {
 };
 
 }  // namespace
+
+std::string executor_refusal(ScheduleKind kind) {
+  if (!splits_backward(kind)) return "";
+  return std::string("the ") + schedule_kind_name(kind) + " schedule splits each backward into an input-gradient " +
+         "and a weight-gradient pass, which the executor does not run yet; megatorch-schedule simulates it. Use " +
+         "--schedule 1f1b (the same activation memory) or interleaved to train";
+}
 
 PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>& mbs, const ExecutorOptions& options) {
   return StepRun(stage, mbs, options).run();

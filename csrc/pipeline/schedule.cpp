@@ -42,11 +42,14 @@ const char* schedule_kind_name(ScheduleKind kind) {
     case ScheduleKind::kGPipe: return "gpipe";
     case ScheduleKind::kOneFOneB: return "1f1b";
     case ScheduleKind::kInterleaved: return "interleaved";
+    case ScheduleKind::kZeroBubbleH1: return "zb-h1";
   }
   return "?";
 }
 
-const char* schedule_kind_names() { return "gpipe, 1f1b or interleaved"; }
+const char* schedule_kind_names() { return "gpipe, 1f1b, interleaved or zb-h1"; }
+
+bool splits_backward(ScheduleKind kind) { return kind == ScheduleKind::kZeroBubbleH1; }
 
 std::optional<ScheduleKind> find_schedule_kind(const std::string& name) {
   std::string s;
@@ -54,6 +57,7 @@ std::optional<ScheduleKind> find_schedule_kind(const std::string& name) {
   if (s == "gpipe") return ScheduleKind::kGPipe;
   if (s == "1f1b" || s == "one_f_one_b" || s == "pipedream_flush") return ScheduleKind::kOneFOneB;
   if (s == "interleaved" || s == "interleaved_1f1b") return ScheduleKind::kInterleaved;
+  if (s == "zb_h1" || s == "zbh1" || s == "zero_bubble_h1") return ScheduleKind::kZeroBubbleH1;
   return std::nullopt;
 }
 
@@ -85,16 +89,18 @@ void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {
 namespace {
 
 struct Compute {
-  bool forward;
+  ActionKind kind;  // forward or one of the backward kinds
   int64_t microbatch;
   int64_t chunk;
 };
 
+constexpr ActionKind kF = ActionKind::kForward, kB = ActionKind::kBackward;
+
 // GPipe: every forward, then every backward, both in micro-batch order.
 std::vector<Compute> gpipe_order(int64_t m) {
   std::vector<Compute> order;
-  for (int64_t i = 0; i < m; ++i) order.push_back({true, i, 0});
-  for (int64_t i = 0; i < m; ++i) order.push_back({false, i, 0});
+  for (int64_t i = 0; i < m; ++i) order.push_back({kF, i, 0});
+  for (int64_t i = 0; i < m; ++i) order.push_back({kB, i, 0});
   return order;
 }
 
@@ -104,12 +110,36 @@ std::vector<Compute> gpipe_order(int64_t m) {
 std::vector<Compute> one_f_one_b_order(int64_t p, int64_t m, int64_t rank) {
   const int64_t warmup = std::min(p - rank - 1, m);
   std::vector<Compute> order;
-  for (int64_t i = 0; i < warmup; ++i) order.push_back({true, i, 0});
+  for (int64_t i = 0; i < warmup; ++i) order.push_back({kF, i, 0});
   for (int64_t i = 0; i < m - warmup; ++i) {
-    order.push_back({true, warmup + i, 0});
-    order.push_back({false, i, 0});
+    order.push_back({kF, warmup + i, 0});
+    order.push_back({kB, i, 0});
   }
-  for (int64_t i = m - warmup; i < m; ++i) order.push_back({false, i, 0});
+  for (int64_t i = m - warmup; i < m; ++i) order.push_back({kB, i, 0});
+  return order;
+}
+
+// ZB-H1 (Qi et al. 2023): 1F1B's forwards and input-gradient passes B, each followed by a
+// weight-gradient pass W, except that rank r keeps its r most recent W's back (the last
+// rank the most: its B's are what every earlier rank waits for) and runs them at the end,
+// into the time 1F1B spends waiting in the cool-down. Each W releases its micro-batch's
+// activations, so at most p micro-batches are held: 1F1B's peak. With costs W <= F and
+// W <= B every rank idles (p - 1)(F + B - W) ticks instead of 1F1B's (p - 1)(F + B + W).
+std::vector<Compute> zero_bubble_h1_order(int64_t p, int64_t m, int64_t rank) {
+  const int64_t warmup = std::min(p - rank - 1, m), deferred = rank;
+  std::vector<Compute> order;
+  int64_t next_w = 0;  // the oldest micro-batch whose W has not run
+  const auto backward = [&](int64_t i) {
+    order.push_back({ActionKind::kBackwardInput, i, 0});
+    if (i + 1 - next_w > deferred) order.push_back({ActionKind::kBackwardWeight, next_w++, 0});
+  };
+  for (int64_t i = 0; i < warmup; ++i) order.push_back({kF, i, 0});
+  for (int64_t i = 0; i < m - warmup; ++i) {
+    order.push_back({kF, warmup + i, 0});
+    backward(i);
+  }
+  for (int64_t i = m - warmup; i < m; ++i) backward(i);
+  while (next_w < m) order.push_back({ActionKind::kBackwardWeight, next_w++, 0});
   return order;
 }
 
@@ -124,7 +154,7 @@ std::vector<Compute> interleaved_order(int64_t p, int64_t m, int64_t v, int64_t 
   auto at = [&](int64_t k, bool forward) {
     const int64_t in_group = k % (p * v);
     const int64_t chunk = in_group / p;
-    return Compute{forward, k / (p * v) * p + in_group % p, forward ? chunk : v - 1 - chunk};
+    return Compute{forward ? kF : kB, k / (p * v) * p + in_group % p, forward ? chunk : v - 1 - chunk};
   };
   std::vector<Compute> order;
   for (int64_t k = 0; k < warmup; ++k) order.push_back(at(k, true));
@@ -143,6 +173,7 @@ std::vector<Compute> compute_order(ScheduleKind kind, int64_t p, int64_t m, int6
     case ScheduleKind::kGPipe: return gpipe_order(m);
     case ScheduleKind::kOneFOneB: return one_f_one_b_order(p, m, rank);
     case ScheduleKind::kInterleaved: return interleaved_order(p, m, v, rank);
+    case ScheduleKind::kZeroBubbleH1: return zero_bubble_h1_order(p, m, rank);
   }
   MEGATORCH_FAIL("unknown pipeline schedule kind ", static_cast<int>(kind));
 }
@@ -156,13 +187,15 @@ std::vector<Action> with_transfers(const std::vector<Compute>& order, int64_t p,
     const int64_t s = virtual_stage(c.chunk, rank, p);
     const int64_t prev = s > 0 ? rank_of_virtual_stage(s - 1, p) : rank;
     const int64_t next = s < last ? rank_of_virtual_stage(s + 1, p) : rank;
-    if (c.forward) {
+    if (c.kind == kF) {
       if (prev != rank) actions.push_back({ActionKind::kRecvActivation, c.microbatch, c.chunk, prev});
-      actions.push_back({ActionKind::kForward, c.microbatch, c.chunk, -1});
+      actions.push_back({kF, c.microbatch, c.chunk, -1});
       if (next != rank) actions.push_back({ActionKind::kSendActivation, c.microbatch, c.chunk, next});
+    } else if (c.kind == ActionKind::kBackwardWeight) {
+      actions.push_back({c.kind, c.microbatch, c.chunk, -1});  // local: no transfer
     } else {
       if (next != rank) actions.push_back({ActionKind::kRecvGrad, c.microbatch, c.chunk, next});
-      actions.push_back({ActionKind::kBackward, c.microbatch, c.chunk, -1});
+      actions.push_back({c.kind, c.microbatch, c.chunk, -1});
       if (prev != rank) actions.push_back({ActionKind::kSendGrad, c.microbatch, c.chunk, prev});
     }
   }
@@ -177,7 +210,7 @@ std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int6
 
 std::vector<Action> build_forward_only_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
   std::vector<Compute> order = compute_order(kind, p, m, v, rank);
-  order.erase(std::remove_if(order.begin(), order.end(), [](const Compute& c) { return !c.forward; }), order.end());
+  order.erase(std::remove_if(order.begin(), order.end(), [](const Compute& c) { return c.kind != kF; }), order.end());
   return with_transfers(order, p, v, rank);
 }
 

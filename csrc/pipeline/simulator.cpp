@@ -19,8 +19,14 @@ std::string Ratio::str() const {
   return den == 1 ? std::to_string(num) : std::to_string(num) + "/" + std::to_string(den);
 }
 
-Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {
+Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v, const SimulatorOptions& costs) {
   check_schedule_args(kind, p, m, v);
+  if (kind == ScheduleKind::kZeroBubbleH1) {
+    const int64_t f = costs.forward_cost, b = costs.backward_input_cost, w = costs.backward_weight_cost;
+    MEGATORCH_CHECK(w <= f && w <= b, "the ZB-H1 bubble formula (p-1)(F+B-W) holds for W <= F and W <= B, got F ", f,
+                    ", B ", b, ", W ", w, "; simulate the schedule instead");
+    return Ratio::of((p - 1) * (f + b - w), m * (f + b + w));
+  }
   return Ratio::of(p - 1, kind == ScheduleKind::kInterleaved ? v * m : m);
 }
 

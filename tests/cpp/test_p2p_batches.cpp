@@ -129,7 +129,7 @@ TEST_CASE("every schedule's batches pass the NCCL order model", "[pipeline][p2p]
     for (int64_t m : {p, 2 * p, 4 * p}) {
       for (auto [kind, v] : {std::pair{ScheduleKind::kGPipe, 1}, {ScheduleKind::kOneFOneB, 1},
                              {ScheduleKind::kInterleaved, 1}, {ScheduleKind::kInterleaved, 2},
-                             {ScheduleKind::kInterleaved, 4}}) {
+                             {ScheduleKind::kInterleaved, 4}, {ScheduleKind::kZeroBubbleH1, 1}}) {
         INFO(mp::schedule_kind_name(kind) << " p " << p << " m " << m << " v " << v);
         const auto lists = mp::build_schedules(kind, p, m, v);
         std::vector<std::vector<P2PStep>> steps;
@@ -140,9 +140,14 @@ TEST_CASE("every schedule's batches pass the NCCL order model", "[pipeline][p2p]
         for (int64_t b : {1, 2}) {
           mp::SimulatorOptions costs;
           costs.backward_cost = b;
+          costs.backward_input_cost = b;  // ZB-H1: B = F or 2F, W = F
           mp::NcclOrderReport report;
           REQUIRE_NOTHROW(report = mp::verify_nccl_order(steps, costs));
-          REQUIRE(report.bubble_fraction == mp::formula_bubble_fraction(kind, p, m, v));
+          // ZB-H1 posts without deadlock, but under rendezvous its sends, batched with the
+          // next receive, wait for the deferred W's: no formula (docs/pipeline.md).
+          if (kind != ScheduleKind::kZeroBubbleH1) {
+            REQUIRE(report.bubble_fraction == mp::formula_bubble_fraction(kind, p, m, v, costs));
+          }
           REQUIRE(report.max_batch <= 3);  // a send and at most one receive per direction
           if (b == 1) ops += report.ops;
         }
@@ -150,7 +155,7 @@ TEST_CASE("every schedule's batches pass the NCCL order model", "[pipeline][p2p]
       }
     }
   }
-  CHECK(configs == 16 * 3 * 5);
+  CHECK(configs == 16 * 3 * 6);
   CHECK(ops > 300000);  // the sweep is not vacuous
 }
 

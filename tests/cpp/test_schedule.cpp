@@ -24,7 +24,8 @@ std::string compute_order(const std::vector<Action>& list) {
   for (const Action& a : list) {
     if (!mp::is_compute(a.kind)) continue;
     if (!s.empty()) s += ' ';
-    s += (a.kind == ActionKind::kForward ? "F" : "B") + std::to_string(a.microbatch) + "." + std::to_string(a.chunk);
+    const char* letter = a.kind == ActionKind::kForward ? "F" : a.kind == ActionKind::kBackwardWeight ? "W" : "B";
+    s += letter + std::to_string(a.microbatch) + "." + std::to_string(a.chunk);
   }
   return s;
 }
@@ -51,6 +52,8 @@ int64_t expected_peak(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_
       const int64_t warmup = m == p ? total : std::min(2 * (p - r - 1) + (v - 1) * p, total);
       return warmup + (warmup < total ? 1 : 0);
     }
+    // p - r - 1 warm-up forwards, one more before the first B, r W's held back.
+    case ScheduleKind::kZeroBubbleH1: return std::min(p, m);
   }
   return -1;
 }
@@ -355,11 +358,12 @@ TEST_CASE("bad schedule arguments fail with what was expected and what was given
   CHECK(mp::parse_schedule_kind("1F1B") == ScheduleKind::kOneFOneB);
   CHECK(mp::parse_schedule_kind("one-f-one-b") == ScheduleKind::kOneFOneB);
   CHECK(mp::parse_schedule_kind("Interleaved_1f1b") == ScheduleKind::kInterleaved);
-  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved})
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZeroBubbleH1})
     CHECK(mp::parse_schedule_kind(mp::schedule_kind_name(kind)) == kind);
-  CHECK_THROWS_WITH(mp::parse_schedule_kind("zb-h1"),
-                    Catch::Contains("expected a pipeline schedule named gpipe, 1f1b or interleaved, got 'zb-h1'"));
-  CHECK(std::string(mp::schedule_kind_names()) == "gpipe, 1f1b or interleaved");
+  CHECK_THROWS_WITH(mp::parse_schedule_kind("chimera"),
+                    Catch::Contains("expected a pipeline schedule named gpipe, 1f1b, interleaved or zb-h1, got 'chimera'"));
+  CHECK(std::string(mp::schedule_kind_names()) == "gpipe, 1f1b, interleaved or zb-h1");
   CHECK(mp::find_schedule_kind("PipeDream-Flush") == ScheduleKind::kOneFOneB);
   CHECK_FALSE(mp::find_schedule_kind("").has_value());
   CHECK_FALSE(mp::find_schedule_kind("1f1b ").has_value());
@@ -427,4 +431,55 @@ TEST_CASE("timeline SVG: a lane per rank, a numbered box per compute", "[pipelin
   CHECK_THROWS_WITH(mp::timeline_svg({{0, F(0), 2.0, 1.0}}), Catch::Contains("end >= start"));
   CHECK_THROWS_WITH(mp::write_timeline_svg("/nonexistent-dir/t.svg", measured),
                     Catch::Contains("'/nonexistent-dir/t.svg'"));
+}
+
+TEST_CASE("ZB-H1 splits backward, defers the last ranks' W's, and idles (p-1)(F+B-W) per rank", "[pipeline][simulator]") {
+  // Written down by hand: rank 0 runs each W right after its B, rank 1 holds one back.
+  CHECK(compute_order(mp::build_schedule(ScheduleKind::kZeroBubbleH1, 2, 3, 1, 0)) ==
+        "F0.0 F1.0 B0.0 W0.0 F2.0 B1.0 W1.0 B2.0 W2.0");
+  CHECK(compute_order(mp::build_schedule(ScheduleKind::kZeroBubbleH1, 2, 3, 1, 1)) ==
+        "F0.0 B0.0 F1.0 B1.0 W0.0 F2.0 B2.0 W1.0 W2.0");
+  for (const Action& a : mp::build_schedule(ScheduleKind::kZeroBubbleH1, 4, 8, 1, 2)) {
+    CHECK(a.kind != ActionKind::kBackward);  // every backward split in B and W
+  }
+  CHECK(mp::splits_backward(ScheduleKind::kZeroBubbleH1));
+  CHECK(!mp::splits_backward(ScheduleKind::kOneFOneB));
+  CHECK(mp::parse_schedule_kind("ZB_H1") == ScheduleKind::kZeroBubbleH1);
+  // Qi et al.: 1F1B idles (p-1)(F+B+W) per rank, ZB-H1 (p-1)(F+B-W), for m >= p and costs
+  // with W <= F and W <= B (other costs simulate, but the formula does not hold), and
+  // ZB-H1 holds at most p micro-batches, 1F1B's peak on its first rank.
+  const std::vector<std::tuple<int64_t, int64_t, int64_t>> fbw{{1, 1, 1}, {2, 2, 1}, {3, 2, 2}, {2, 3, 1}, {4, 3, 3}};
+  for (int64_t p : {2, 3, 4, 5, 8, 16, 32}) {
+    for (int64_t m : {p, p + 1, 2 * p, 3 * p + 1, 8 * p}) {
+      for (const auto& [f, b, w] : fbw) {
+        INFO("p " << p << " m " << m << " F " << f << " B " << b << " W " << w);
+        mp::SimulatorOptions o = costs(f, b + w);
+        o.backward_input_cost = b;
+        o.backward_weight_cost = w;
+        const auto zb = mp::simulate_schedule(ScheduleKind::kZeroBubbleH1, p, m, 1, o);
+        const auto ofob = mp::simulate_schedule(ScheduleKind::kOneFOneB, p, m, 1, o);
+        for (int64_t r = 0; r < p; ++r) {
+          REQUIRE(zb.ranks[r].idle == (p - 1) * (f + b - w));
+          REQUIRE(ofob.ranks[r].idle == (p - 1) * (f + b + w));
+          REQUIRE(zb.ranks[r].peak_inflight == p);
+        }
+        REQUIRE(zb.bubble_fraction == mp::formula_bubble_fraction(ScheduleKind::kZeroBubbleH1, p, m, 1, o));
+        REQUIRE(zb.bubble_fraction == Ratio::of((p - 1) * (f + b - w), m * (f + b + w)));
+      }
+    }
+  }
+  // Fewer micro-batches than stages: complete, holding what there is.
+  for (int64_t p : {2, 4, 8}) {
+    for (int64_t m = 1; m < p; ++m) {
+      for (const auto& rank : mp::simulate_schedule(ScheduleKind::kZeroBubbleH1, p, m, 1).ranks) {
+        REQUIRE(rank.peak_inflight == m);
+      }
+    }
+  }
+  mp::SimulatorOptions heavy_w;
+  heavy_w.backward_weight_cost = 3;
+  CHECK_THROWS_WITH(mp::formula_bubble_fraction(ScheduleKind::kZeroBubbleH1, 4, 8, 1, heavy_w),
+                    Catch::Contains("W <= F and W <= B"));
+  CHECK_THROWS_WITH(mp::build_schedule(ScheduleKind::kZeroBubbleH1, 4, 8, 2, 0),
+                    Catch::Contains("--virtual-pipeline-model-parallel-size 1"));
 }

@@ -48,6 +48,10 @@ struct ExecutorOptions {
   TORCH_ARG(bool, forward_only) = false;
 };
 
+// Empty when the executor runs `kind`; else why not and what to use instead (a schedule
+// that splits backward is simulated by megatorch-schedule but not run yet).
+std::string executor_refusal(ScheduleKind kind);
+
 // One training step's forward and backward over all micro-batches (no optimizer step),
 // or with forward_only the forwards alone (evaluation).
 PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>& micro_batches,

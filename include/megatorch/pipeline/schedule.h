@@ -54,14 +54,18 @@ enum class ScheduleKind {
   kGPipe,        // all forwards, then all backwards
   kOneFOneB,     // PipeDream-Flush: warm-up forwards, one-forward-one-backward, cool-down
   kInterleaved,  // Megatron's interleaved 1F1B over v model chunks per rank
+  kZeroBubbleH1,  // Qi et al.'s ZB-H1: 1F1B with backward split into B and W, W's deferred into bubbles
 };
 
-// "gpipe", "1f1b", "interleaved": the spelling of the command-line flag.
+// "gpipe", "1f1b", "interleaved", "zb-h1": the spelling of the command-line flag.
 const char* schedule_kind_name(ScheduleKind kind);
-// "gpipe, 1f1b or interleaved": the names above, for help texts and errors.
+// "gpipe, 1f1b, interleaved or zb-h1": the names above, for help texts and errors.
 const char* schedule_kind_names();
-// Accepts those names, case-insensitively, and the aliases one_f_one_b, pipedream_flush
-// and interleaved_1f1b ('-' and '_' alike); anything else fails listing the valid names.
+// Whether the schedule splits backward into backward_input and backward_weight actions.
+bool splits_backward(ScheduleKind kind);
+// Accepts those names, case-insensitively, and the aliases one_f_one_b, pipedream_flush,
+// interleaved_1f1b, zbh1 and zero_bubble_h1 ('-' and '_' alike); anything else fails
+// listing the valid names.
 // The one parser of schedule names: the trainer, its flags and the tools use it.
 ScheduleKind parse_schedule_kind(const std::string& name);
 // parse_schedule_kind without the error: nullopt for a name it refuses (e.g. to let a
@@ -73,13 +77,14 @@ inline int64_t virtual_stage(int64_t chunk, int64_t rank, int64_t p) { return ch
 inline int64_t rank_of_virtual_stage(int64_t stage, int64_t p) { return stage % p; }
 inline int64_t chunk_of_virtual_stage(int64_t stage, int64_t p) { return stage / p; }
 
-// Throws unless p >= 1, m >= 1, v >= 1, v == 1 for gpipe and 1f1b, and m a multiple of p
-// for interleaved (Megatron's micro-batch groups of p).
+// Throws unless p >= 1, m >= 1, v >= 1, v == 1 for gpipe, 1f1b and zb-h1, and m a multiple
+// of p for interleaved (Megatron's micro-batch groups of p).
 void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
 
 // The ordered actions of `rank` (0 <= rank < p). A forward is preceded by the receive of
-// its input and followed by the send of its output; a backward is preceded by the
-// receive of its output gradient and followed by the send of its input gradient. When
+// its input and followed by the send of its output; a backward (or a split backward's
+// input pass) is preceded by the receive of its output gradient and followed by the send
+// of its input gradient; a weight pass needs no transfer. When
 // consecutive virtual stages share a rank (p == 1) the tensor stays local: no p2p.
 // Sends are meant to be posted asynchronously (isend): a rank never waits for its send
 // to be received, only a recv waits for the matching send.

@@ -74,7 +74,10 @@ SimulationResult simulate(const std::vector<std::vector<Action>>& schedules, int
 SimulationResult simulate_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
                                    const SimulatorOptions& options = {});
 
-// docs/reference.md (Narayanan et al. 2021): (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved.
-Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
+// The published bubble (idle / busy per rank): Narayanan et al. 2021, (p-1)/m for GPipe
+// and 1F1B, (p-1)/(v*m) interleaved; Qi et al. 2023, (p-1)(F+B-W) / (m(F+B+W)) for ZB-H1
+// with the costs' split backward (B = backward_input_cost, W = backward_weight_cost),
+// which holds when W <= F and W <= B.
+Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v, const SimulatorOptions& costs = {});
 
 }  // namespace megatorch::pipeline

@@ -95,3 +95,24 @@ def test_context_parallel_share_in_the_summary_and_errors():
     assert out.returncode != 0 and "divisible by 2 x --context-parallel-size (6)" in out.stderr
     out = run("-p", "2", "-m", "4", "--context-parallel-size", "2", "--cp-comm-type", "ring")
     assert out.returncode != 0 and "'p2p' or 'a2a'" in out.stderr
+
+
+def test_zero_bubble_h1_with_split_costs(tmp_path):
+    """--schedule zb-h1 with --f-cost/--b-cost/--w-cost: every rank idles (p-1)(F+B-W) against
+    1F1B's (p-1)(F+B+W) (whose backward is B + W when --backward-cost is not given), holds
+    at most p micro-batches, and draws B and W boxes of their own."""
+    costs = ["--f-cost", "2", "--b-cost", "2", "--w-cost", "1"]
+    base = ["--pipeline-model-parallel-size", "4", "--num-microbatches", "8", *costs, "--json"]
+    svg = tmp_path / "zb.svg"
+    zb, ofob = run("--schedule", "zb-h1", *base, "--svg", str(svg)), run("--schedule", "1f1b", *base)
+    assert zb.returncode == 0 and ofob.returncode == 0, zb.stderr + ofob.stderr
+    zb, ofob = json.loads(zb.stdout), json.loads(ofob.stdout)
+    assert zb["costs"] == {"forward": 2, "backward": 3, "p2p": 0, "backward_input": 2, "backward_weight": 1}
+    assert zb["idle"] == [3 * (2 + 2 - 1)] * 4 and ofob["idle"] == [3 * (2 + 2 + 1)] * 4
+    assert zb["matches_formula"] and zb["formula_bubble_fraction_exact"] == "9/40"
+    assert zb["peak_inflight"] == [4, 4, 4, 4]
+    text = svg.read_text()
+    assert "backward (input)" in text and "backward (weight)" in text
+    # W dearer than F: the schedule still simulates, the formula does not apply.
+    heavy = json.loads(run("--schedule", "zb-h1", "-p", "4", "-m", "8", "--w-cost", "3", "--json").stdout)
+    assert heavy["formula_bubble_fraction"] is None and not heavy["matches_formula"]
