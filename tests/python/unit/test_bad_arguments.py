@@ -132,8 +132,8 @@ def test_schedule_names_are_the_pipelines():
     """--schedule goes through the pipeline's own parser (pipeline::find_schedule_kind), as the
     trainer and megatorch-schedule do: its aliases run, anything else is refused naming the
     accepted schedules."""
-    out = run(["--train-iters", "1", "--schedule", "zb-h1"])
+    out = run(["--train-iters", "1", "--schedule", "chimera"])
     assert_refused(out, "--schedule")
-    assert "expected gpipe, 1f1b or interleaved, got 'zb-h1'" in out.stderr, out.stderr[-3000:]
+    assert "expected gpipe, 1f1b, interleaved or zb-h1, got 'chimera'" in out.stderr, out.stderr[-3000:]
     out = run(["--train-iters", "1", "--eval-iters", "0", "--schedule", "PipeDream-Flush"])
     assert out.returncode == 0, out.stderr[-3000:]
