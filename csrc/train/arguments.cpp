@@ -12,7 +12,6 @@
 #include "megatorch/data/gpt_datasets.h"
 #include "megatorch/data/preprocess.h"
 #include "megatorch/data/tokenizer_flags.h"
-#include "megatorch/pipeline/executor.h"
 #include "megatorch/pipeline/schedule.h"
 
 namespace megatorch::train {
@@ -386,8 +385,6 @@ void validate(TrainArguments& a, int64_t world) {
     a.virtual_chunks = per_stage / a.num_layers_per_virtual_pipeline_stage;
     MEGATORCH_CHECK(pp > 1, "gpt_pretrain: --num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1");
   }
-  const std::string refusal = pipeline::executor_refusal(pipeline::parse_schedule_kind(a.schedule));
-  MEGATORCH_CHECK(refusal.empty(), "gpt_pretrain: ", refusal);
   MEGATORCH_CHECK(a.schedule != "interleaved" || a.virtual_chunks > 1,
                   "gpt_pretrain: --schedule interleaved needs --num-layers-per-virtual-pipeline-stage (v > 1 chunks per stage)");
   MEGATORCH_CHECK(a.virtual_chunks == 1 || a.schedule == "interleaved", "gpt_pretrain: virtual pipeline stages run with "

@@ -57,7 +57,9 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                   o.num_micro_batches(), ", ", o.virtual_chunks(), ", ", o.log_interval(), ", ", o.eval_iters());
   MEGATORCH_CHECK(o.zero_stage() >= 0 && o.zero_stage() <= 3, "TrainingLoop: expected zero_stage in 0..3, got ",
                   o.zero_stage());
-  pipeline::parse_schedule_kind(o.schedule());  // names the schedules when unknown
+  // Names the schedules when unknown, and refuses one the executor does not run yet.
+  const std::string refusal = pipeline::executor_refusal(pipeline::parse_schedule_kind(o.schedule()));
+  MEGATORCH_CHECK(refusal.empty(), "TrainingLoop: ", refusal);
   MEGATORCH_CHECK(o.virtual_chunks() == 1 || o.schedule() == "interleaved", "TrainingLoop: virtual_chunks ",
                   o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
   auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())

@@ -97,7 +97,8 @@ def fails_fast(base, args, message):
     (["--global-batch-size", "6"], "to be a multiple of --micro-batch-size x data-parallel size"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "2"], "expected at least one layer per pipeline stage"),
     (["--bf16", "--fp16"], "contradict"),
-    (["--schedule", "zb-h1", "--pipeline-model-parallel-size", "2"], "which the executor does not run yet"),
+    (["--schedule", "zb-h1", "--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "0"],
+     "which the executor does not run yet"),
     (["--no-such-flag"], "--no-such-flag"),
     # No GPU on this machine: asking for one fails before anything connects (the warm-up
     # flag only makes the rest of this configuration valid).
