@@ -47,6 +47,9 @@ sys.path.insert(0, str(HERE / "peers"))
 from config import BenchConfig, to_args  # noqa: E402
 from machine_load import OtherLoad, wait_until_idle  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from bench_util import quartiles  # noqa: E402
+
 MiB = 1 << 20
 BUSY = 0.10  # a run during which other processes used more than this share of the machine is repeated once
 
@@ -79,13 +82,6 @@ def last_error(log: str) -> str:
                 and "elastic" not in ln and not ln.startswith("raise"):
             return ln[:400]
     return lines[-1][:400] if lines else "no output"
-
-
-def quartiles(xs):
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def attention_work(c: int, comm: str, seq: int, heads: int) -> float:

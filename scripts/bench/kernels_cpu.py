@@ -13,7 +13,6 @@ the ones scripts/bench/gpu_kernels.py times on a GPU, at CPU sizes.
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,19 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import cpu_name  # noqa: E402
 from kernel_cases import make_cases, max_abs_diff  # noqa: E402
 
 SIZES = dict(tokens=4096, hidden=1024, heads=8, sk=512, vocab_shard=8192, adam_numel=1 << 22)
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def interleaved(fused, eager, iters, warmup=2):

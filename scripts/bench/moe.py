@@ -50,8 +50,6 @@ machine.
 import argparse
 import json
 import os
-import platform
-import random
 import re
 import shlex
 import statistics
@@ -67,6 +65,11 @@ sys.path.insert(0, str(HERE / "peers"))
 from config import BenchConfig, to_args  # noqa: E402
 from machine_load import OtherLoad, wait_until_idle  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from bench_util import cpu_name, quartiles  # noqa: E402
+from moe_kernels import kernel_bench  # noqa: E402
+from moe_report import max_abs_diff, render  # noqa: E402
+
 MiB = 1 << 20
 BUSY = 0.10  # a run during which other processes used more than this share of the machine is repeated once
 GPT_PRETRAIN = ROOT / "build" / "bin" / "gpt_pretrain"
@@ -75,16 +78,6 @@ LIBRARY = ROOT / "build" / "lib" / "libmegatorch.so"
 
 def log(msg):
     print(f"[moe] {msg}", file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def display(cmd) -> str:
@@ -97,13 +90,6 @@ def last_error(text: str) -> str:
         if re.search(r"(Error|error:|what\(\)|megatorch:|Exception)", ln) and "ChildFailedError" not in ln:
             return ln[:400]
     return lines[-1][:400] if lines else "no output"
-
-
-def quartiles(xs):
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 # ---- the model parts ---------------------------------------------------------------------
@@ -313,7 +299,7 @@ class Bench:
         if {"dense", "dispatcher", "gemm"} & set(self.args.parts):
             self.run_models()
         if "kernel" in self.args.parts:
-            self.results["kernel"] = kernel_bench(self.args, self.out)
+            self.results["kernel"] = kernel_bench(self.args, self.out, log)
             self.save()
         self.results["checks"] = checks(self.results)
         self.results["total_s"] = time.time() - t0
@@ -348,10 +334,6 @@ def summarize(recs: list, warmup: int, cfg: BenchConfig, r: Run, model: Model) -
         "other_load": max(x["other_load"] for x in recs), "moe_last_step": first.get("moe_last_step"),
     })
     return out
-
-
-def max_abs_diff(a, b):
-    return max(abs(x - y) for x, y in zip(a, b)) if a and b and len(a) == len(b) else float("nan")
 
 
 def max_rel_diff(a, b):
@@ -435,295 +417,6 @@ def checks(res: dict) -> list:
 
 
 # ---- the kernel part ---------------------------------------------------------------------
-
-KERNEL_SHAPES = [(8, 256, 512), (8, 1024, 2048), (32, 512, 1024), (64, 256, 512), (64, 1024, 2048)]
-KERNEL_SHAPES_QUICK = [(4, 64, 128)]
-
-
-def kernel_counts(rows: int, experts: int, skewed: bool) -> list:
-    """Balanced: rows / E each. Skewed: rows drawn from a Zipf law over the experts
-    (p_e ~ 1 / (e + 1)^1.2, a fixed seed), so a few experts take most rows and the last ones
-    may get none."""
-    if not skewed:
-        counts = [rows // experts] * experts
-        counts[0] += rows - sum(counts)
-        return counts
-    weights = [1.0 / (e + 1) ** 1.2 for e in range(experts)]
-    drawn = random.Random(experts).choices(range(experts), weights=weights, k=rows)
-    return [drawn.count(e) for e in range(experts)]
-
-
-def build_driver(out: Path) -> Path:
-    """Compiles scripts/bench/moe_grouped_gemm.cpp against libmegatorch.so and the venv's
-    libtorch (once; again when the source or the library is newer)."""
-    import torch
-    src = HERE / "moe_grouped_gemm.cpp"
-    exe = out / "bin" / "moe_grouped_gemm"
-    lib = LIBRARY.resolve()
-    if exe.exists() and exe.stat().st_mtime > max(src.stat().st_mtime, lib.stat().st_mtime):
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    tdir = Path(torch.__file__).resolve().parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{ROOT / 'include'}", f"-I{tdir / 'include'}", f"-I{tdir / 'include/torch/csrc/api/include'}",
-           str(src), "-o", str(exe), f"-L{lib.parent}", "-lmegatorch", f"-L{tdir / 'lib'}", "-ltorch", "-ltorch_cpu",
-           "-lc10", f"-Wl,-rpath,{lib.parent}:{tdir / 'lib'}"]
-    log(f"compiling {src.name} ...")
-    subprocess.run(cmd, check=True)
-    return exe
-
-
-def python_kernel(h, f, counts, mode, iters, budget_ms, warmup):
-    """torch._grouped_mm against a Python loop of torch.mm over x.split(counts) and
-    w.unbind(0), interleaved call by call; at least `iters` calls of each, more (up to 50)
-    while the slower one's add up to less than budget_ms, as its first call predicts."""
-    import torch
-    torch.manual_seed(0)
-    rows, backward = sum(counts), mode == "fwdbwd"
-    x = torch.randn(rows, h, requires_grad=backward)
-    w = (torch.randn(len(counts), h, f) * 0.02).requires_grad_(backward)
-    grad = torch.randn(rows, f)
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-
-    def grouped():
-        return torch._grouped_mm(x, w, offs)
-
-    def loop():
-        return torch.cat([a @ b for a, b in zip(x.split(counts), w.unbind(0))])
-
-    def call(fn, keep=False):
-        y = fn()
-        if not backward:
-            return (y,) if keep else None
-        y.backward(grad)
-        res = (y, x.grad, w.grad) if keep else None
-        x.grad = w.grad = None
-        return res
-
-    t0 = time.perf_counter()
-    a = call(grouped, True)
-    t1 = time.perf_counter()
-    b = call(loop, True)
-    slower = max(t1 - t0, time.perf_counter() - t1) * 1e3
-    iters = max(iters, min(50, int(budget_ms / max(slower, 1e-3))))
-    diff = max((p - q).abs().max().item() for p, q in zip(a, b))
-    for _ in range(warmup - 1):
-        call(grouped), call(loop)
-    tg, tl = [], []
-    for i in range(iters):
-        for fn in ((grouped, loop) if i % 2 == 0 else (loop, grouped)):
-            t0 = time.perf_counter()
-            call(fn)
-            (tg if fn is grouped else tl).append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(tg), statistics.median(tl), diff, iters
-
-
-def kernel_bench(args, out: Path) -> dict:
-    import torch
-    torch.set_num_threads(1)
-    exe = build_driver(out)
-    shapes = KERNEL_SHAPES_QUICK if args.quick else KERNEL_SHAPES
-    rows = 256 if args.quick else args.kernel_rows
-    iters, warmup = (2, 1) if args.quick else (args.kernel_iters, 1)
-    budget = 0 if args.quick else args.kernel_budget_ms
-    res = {"rows": rows, "iters": iters, "budget_ms": budget, "threads": 1, "torch": torch.__version__,
-           "loop_backward_limit_gib": args.loop_backward_limit_gib, "cases": []}
-    if not args.quick:
-        wait_until_idle(log=log)
-    for e, h, f in shapes:
-        for skewed in (False, True):
-            counts = kernel_counts(rows, e, skewed)
-            for mode in ("fwd", "fwdbwd"):
-                name = f"E{e}_h{h}_F{f}_{'skewed' if skewed else 'balanced'}"
-                # The loop's backward holds the per-expert gradients and their concatenation:
-                # about twice the [E, h, F] weight's bytes.
-                slow = mode == "fwdbwd" and 2 * e * h * f * 4 > args.loop_backward_limit_gib * (1 << 30)
-                line = f"{name} {mode} {iters} {budget} {warmup} {h} {f} {','.join(map(str, counts))}" + \
-                    (" grouped_only" if slow else "")
-                with OtherLoad() as other:
-                    proc = subprocess.run([str(exe)], input=line + "\n", capture_output=True, text=True,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
-                    mt = json.loads(proc.stdout.strip().splitlines()[-1])
-                    t_grouped, t_loop, t_diff, t_iters = python_kernel(h, f, counts, mode, iters, budget, warmup)
-                case = {"name": name, "experts": e, "h": h, "F": f, "rows": rows, "skewed": skewed, "mode": mode,
-                        "counts": counts, "empty_groups": counts.count(0), "max_count": max(counts),
-                        "megatorch_grouped_ms": mt["grouped_ms"], "megatorch_loop_ms": mt["loop_ms"],
-                        "megatorch_diff": mt["max_abs_diff"], "megatorch_loop_skipped": slow,
-                        "torch_grouped_mm_ms": t_grouped, "torch_loop_ms": t_loop, "torch_diff": t_diff,
-                        "megatorch_iters": mt["iters"], "torch_iters": t_iters,
-                        "gflop": (3 if mode == "fwdbwd" else 1) * 2 * rows * h * f / 1e9,
-                        "other_load": other.share}
-                res["cases"].append(case)
-                loop = f"{mt['loop_ms']:.1f}" if mt["loop_ms"] is not None else "skipped"
-                log(f"  {name} {mode}: megatorch grouped {mt['grouped_ms']:.1f} ms, loop {loop} ms; "
-                    f"torch._grouped_mm {t_grouped:.1f} ms, split/unbind loop {t_loop:.1f} ms")
-    return res
-
-
-# ---- the report --------------------------------------------------------------------------
-
-
-def fmt_ms(x: float) -> str:
-    return f"{x:.2f}" if x < 10 else f"{x:.1f}"
-
-
-def fmt_params(n: int) -> str:
-    return f"{n / 1e6:.2f} M"
-
-
-def render(res: dict) -> str:
-    cfg, moe, runs = res["config"], res["moe"], res.get("runs", {})
-    L = []
-    if runs:
-        L += [f"{res['date']}, {res['machine']['cpu']}, {res['machine']['cpus']} cores; "
-              f"{'--quick; ' if res['quick'] else ''}{res['rounds']} round(s).", "",
-              f"Model: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, "
-              f"sequence {cfg['seq_length']}, vocabulary {cfg['vocab_size']}, global batch {cfg['global_batch_size']} "
-              f"({cfg['global_batch_size'] * cfg['seq_length']} tokens/step), micro-batch {cfg['micro_batch_size']}, "
-              f"fp32, {cfg['warmup_steps'] + cfg['timed_steps']} iterations ({cfg['warmup_steps']} not timed). "
-              f"Dense MLP width {moe['dense_ffn']}; MoE: {moe['experts']} experts, top-{moe['topk']}, expert width "
-              f"{moe['moe_ffn']}, aux-loss coefficient {moe['aux_loss_coeff']}, every layer MoE, dropless.", ""]
-    dense, moe_run = runs.get("dense_1"), runs.get("moe_1")
-    if dense and moe_run and "error" not in dense and "error" not in moe_run:
-        pd, pm = dense["parameters"], moe_run["parameters"]
-        L += ["| parameters | total | active per token | of it MLP / experts + router, total | active |",
-              "|---|---|---|---|---|",
-              f"| dense | {fmt_params(pd['total'])} | {fmt_params(pd['active'])} | {fmt_params(pd['mlp_total'])} "
-              f"| {fmt_params(pd['mlp_active'])} |",
-              f"| MoE | {fmt_params(pm['total'])} | {fmt_params(pm['active'])} | {fmt_params(pm['mlp_total'])} "
-              f"| {fmt_params(pm['mlp_active'])} |", ""]
-
-    def ms(r):
-        return f"{r['median_ms']:.1f} ({r['p25_ms']:.1f}–{r['p75_ms']:.1f})"
-
-    def ok(k):
-        return k in runs and "error" not in runs[k]
-
-    def val(r):
-        return f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "–"
-
-    # (a) dense against MoE
-    pairs = [(d, m) for d, m in (("dense_1", "moe_1"), ("dense_dp4", "moe_ep4"), ("dense_dp2", "moe_ep2"),
-                                 ("dense_tp2dp2_sp", "moe_ep2tp2dp2_sp")) if d in runs and m in runs]
-    if "dense" in res["parts"] and pairs:
-        L += ["**Dense against MoE of equal active parameters** (ms/step: median (p25–p75); "
-              "state: parameters + gradients + AdamW bytes of the logging rank):", "",
-              "| ranks | dense layout | MoE layout | dense ms/step | MoE ms/step | MoE ÷ dense time | dense tokens/s "
-              "| MoE tokens/s | loss, last step: dense / MoE | mean of last 5: MoE − dense "
-              "| validation loss: dense / MoE | state MiB/rank dense / MoE |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for d, m in pairs:
-            if not (ok(d) and ok(m)):
-                L.append(f"| {runs[d]['spec']['world']} | {d} | {m} | failed: "
-                         f"{runs[d].get('error') or runs[m].get('error')} |" + " |" * 8)
-                continue
-            rd, rm = runs[d], runs[m]
-            tail = (statistics.mean(rm["losses"][-5:]) - statistics.mean(rd["losses"][-5:]))
-            L.append(f"| {rd['spec']['world']} | {rd['layout']} | {rm['layout']} | {ms(rd)} | {ms(rm)} "
-                     f"| {rm['median_ms'] / rd['median_ms']:.2f} | {rd['tokens_per_s']:.0f} | {rm['tokens_per_s']:.0f} "
-                     f"| {rd['losses'][-1]:.4f} / {rm['losses'][-1]:.4f} | {tail:+.4f} | {val(rd)} / {val(rm)} "
-                     f"| {rd['state_bytes_per_rank'] / MiB:.1f} / {rm['state_bytes_per_rank'] / MiB:.1f} |")
-        L.append("")
-
-    # (b) the dispatchers
-    eps = [int(k[len("moe_ep"):-len("_allgather")]) for k in runs if re.fullmatch(r"moe_ep\d+_allgather", k)]
-    if "dispatcher" in res["parts"] and eps:
-        L += ["**Token dispatchers** (the same MoE, same seed; EP over DP, world = EP; ep bytes: the log's "
-              "`comm_bytes.ep` per step, median over steps, comm_stats.h's convention):", "",
-              "| EP | alltoall ms/step | allgather ms/step | allgather ÷ alltoall time | alltoall tokens/s "
-              "| allgather tokens/s | alltoall ep MiB/step | allgather ep MiB/step | bytes ratio "
-              "| max abs loss diff allgather vs alltoall, every step |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-        for ep in sorted(eps):
-            a, g = f"moe_ep{ep}", f"moe_ep{ep}_allgather"
-            if not (ok(a) and ok(g)):
-                L.append(f"| {ep} | failed: {runs.get(a, {}).get('error') or runs.get(g, {}).get('error')} |" + " |" * 8)
-                continue
-            ra, rg = runs[a], runs[g]
-            ba, bg = ra["comm_bytes_per_step"].get("ep", 0), rg["comm_bytes_per_step"].get("ep", 0)
-            L.append(f"| {ep} | {ms(ra)} | {ms(rg)} | {rg['median_ms'] / ra['median_ms']:.2f} | {ra['tokens_per_s']:.0f} "
-                     f"| {rg['tokens_per_s']:.0f} | {ba / MiB:.2f} | {bg / MiB:.2f} | {bg / ba if ba else float('nan'):.2f} "
-                     f"| {max_abs_diff(ra['losses'], rg['losses']):.1e} |")
-        L.append("")
-
-    # (c) grouped GEMM against the loop, end to end
-    loops = [k for k in runs if k.endswith("_loop")]
-    if "gemm" in res["parts"] and loops:
-        L += ["**Grouped GEMM against the per-expert loop, end to end** (`--no-moe-grouped-gemm`):", "",
-              "| experts | layout | local experts/rank | grouped ms/step | loop ms/step | loop ÷ grouped time "
-              "| grouped tokens/s | loop tokens/s | max abs loss diff |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for k in loops:
-            g = k[:-len("_loop")]
-            if not (ok(k) and ok(g)):
-                L.append(f"| {k} | failed: {runs.get(k, {}).get('error') or runs.get(g, {}).get('error')} |" + " |" * 7)
-                continue
-            rl, rg = runs[k], runs[g]
-            e = rg["spec"]["experts"] or moe["experts"]
-            L.append(f"| {e} | {rg['layout']} | {e // rg['spec']['ep']} | {ms(rg)} | {ms(rl)} "
-                     f"| {rl['median_ms'] / rg['median_ms']:.2f} | {rg['tokens_per_s']:.0f} | {rl['tokens_per_s']:.0f} "
-                     f"| {max_abs_diff(rl['losses'], rg['losses']):.1e} |")
-        L.append("")
-
-    # the kernel
-    kernel = res.get("kernel")
-    if kernel:
-        L += [f"**kernels::grouped_gemm by itself** (one projection, {kernel['rows']} rows = token-expert pairs, "
-              f"input [rows, h] x weight [E, h, F], fp32, one thread, torch {kernel['torch']}; median of "
-              + (f"{kernel['iters']} to 50 interleaved calls per path (more while the slower path's add up to "
-                 f"less than {kernel['budget_ms']:g} ms)" if kernel.get("budget_ms") else
-                 f"{kernel['iters']} interleaved calls per path")
-              + "; ratio > 1: grouped faster):", "",
-              "| E | h | F | counts | mode | GFLOP | megatorch grouped ms | megatorch loop ms | loop ÷ grouped "
-              "| torch._grouped_mm ms | split/unbind loop ms | loop ÷ grouped |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for c in kernel["cases"]:
-            counts = "balanced" if not c["skewed"] else f"skewed (max {c['max_count']}, {c['empty_groups']} empty)"
-            if c["megatorch_loop_ms"] is None:
-                mloop, mratio = "not run¹", "–"
-            else:
-                mloop = fmt_ms(c["megatorch_loop_ms"])
-                mratio = f"{c['megatorch_loop_ms'] / c['megatorch_grouped_ms']:.2f}"
-            L.append(f"| {c['experts']} | {c['h']} | {c['F']} | {counts} | {'fwd+bwd' if c['mode'] == 'fwdbwd' else 'fwd'} "
-                     f"| {c['gflop']:.2f} | {fmt_ms(c['megatorch_grouped_ms'])} | {mloop} | {mratio} "
-                     f"| {fmt_ms(c['torch_grouped_mm_ms'])} | {fmt_ms(c['torch_loop_ms'])} "
-                     f"| {c['torch_loop_ms'] / c['torch_grouped_mm_ms']:.2f} |")
-        if any(c["megatorch_loop_ms"] is None for c in kernel["cases"]):
-            L.append(f"\n¹ not run: the loop's backward would hold about twice the [E, h, F] weight "
-                     f"(2 E h F × 4 bytes > {kernel['loop_backward_limit_gib']} GiB).")
-        L.append("")
-
-    # the checks
-    cks = res.get("checks", [])
-    if cks:
-        n = res.get("check_steps", 10)
-        L += [f"Loss agreement of runs that train the same model (checked: max relative difference over the first "
-              f"{n} steps ≤ {res['tolerance']:g}; the rounds must repeat every loss bit for bit):", "",
-              f"| check | first {n} steps, max rel. | every step, max rel. | every step, max abs. "
-              "| routing first differs at step | ok |",
-              "|---|---|---|---|---|---|"]
-        for c in cks:
-            if "max_rel_loss_diff_all_steps" in c:
-                step = c["routing_first_differs_at_step"]
-                L.append(f"| {c['check'].rsplit(',', 1)[0]} | {c['max_rel_loss_diff']:.1e} "
-                         f"| {c['max_rel_loss_diff_all_steps']:.1e} | {c['max_abs_loss_diff_all_steps']:.1e} "
-                         f"| {step if step else 'never'} | {'yes' if c['ok'] else '**NO**'} |")
-        for c in cks:
-            if "max_rel_loss_diff_all_steps" not in c:
-                detail = ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
-                                   for k, v in c.items() if k not in ("check", "ok"))
-                L.append(f"- {'ok' if c['ok'] else '**FAILED**'}: {c['check']} ({detail})")
-        L.append("")
-    loads = [f"{k} {r.get('other_load', 0):.0%}" for k, r in runs.items() if "other_load" in r]
-    if loads:
-        L.append("Other processes' largest share of the machine during a run: " + ", ".join(loads))
-    cmds = [(k, r["command"]) for k, r in runs.items() if "command" in r]
-    if cmds:
-        L += ["", "Commands (round 1; each also with `--log-json FILE`):", ""]
-        L += [f"    # {k}\n    {c}" for k, c in cmds]
-    return "\n".join(L) + "\n"
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
