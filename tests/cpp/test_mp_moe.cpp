@@ -76,6 +76,20 @@ LayerRun run_against_reference(moe::MoELayer& layer, moe::MoELayer& ref, Group& 
   return r;
 }
 
+// The input and router gradients equal the reference's, and each expert parameter's is its
+// shard (expert_shard) of the reference's summed over every rank's tokens.
+void check_gradients(moe::MoELayer& layer, moe::MoELayer& ref, const LayerRun& run, Group& world, int64_t ep_rank,
+                     int64_t ep, int64_t etp_rank, int64_t etp, int64_t glu) {
+  CHECK(torch::allclose(run.grad, run.want_grad, 1e-5, 1e-6));
+  CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
+  for (const auto& p : layer->experts->named_parameters()) {
+    at::Tensor full = ref->experts->named_parameters()[p.key()].grad().clone();
+    world.all_reduce(full);
+    INFO(p.key());
+    CHECK(torch::allclose(p.value().grad(), expert_shard(p.key(), full, ep_rank, ep, etp_rank, etp, glu), 1e-5, 1e-6));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exactly the routed rows", "[mp][moe]") {
@@ -125,15 +139,8 @@ TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exac
         CHECK(forward_stats[CommOp::kReduceScatter].bytes == world * t * h * 4);
         CHECK(forward_stats[CommOp::kAllToAll].calls == 0);
       }
-      CHECK(torch::allclose(run.grad, run.want_grad, 1e-5, 1e-6));
-      CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
       // An expert's gradient gathers every rank's tokens routed to it.
-      for (const auto& p : layer->experts->named_parameters()) {
-        at::Tensor full = ref->experts->named_parameters()[p.key()].grad().clone();
-        worldg.all_reduce(full);
-        INFO(p.key());
-        CHECK(torch::allclose(p.value().grad(), local_experts(full, me, world), 1e-5, 1e-6));
-      }
+      check_gradients(layer, ref, run, worldg, me, world, 0, 1, 1);
       CHECK(layer->stats().dropped.item<int64_t>() == ref->stats().dropped.item<int64_t>());
     }
   }
@@ -192,17 +199,8 @@ TEST_CASE("An MoE layer with expert tensor parallelism equals one rank's; ETP mo
           CHECK(run.forward[CommOp::kAllToAll].bytes == ((etp - 1) * mine + (all - mine)) * row_bytes);
           CHECK(etpg.stats()[CommOp::kAllToAll].bytes == 2 * ((etp - 1) * mine + (all - mine)) * row_bytes);
         }
-        CHECK(torch::allclose(run.grad, run.want_grad, 1e-5, 1e-6));
-        CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
         // Each expert shard's gradient holds every rank's rows routed to its expert.
-        for (const auto& p : layer->experts->named_parameters()) {
-          at::Tensor full = ref->experts->named_parameters()[p.key()].grad().clone();
-          worldg.all_reduce(full);
-          INFO(p.key());
-          CHECK(torch::allclose(p.value().grad(),
-                                expert_shard(p.key(), full, st->ep_rank(), ep, st->etp_rank(), etp, swiglu ? 2 : 1), 1e-5,
-                                1e-6));
-        }
+        check_gradients(layer, ref, run, worldg, st->ep_rank(), ep, st->etp_rank(), etp, swiglu ? 2 : 1);
       }
     }
   }

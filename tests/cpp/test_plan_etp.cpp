@@ -183,12 +183,8 @@ TEST_CASE("ETP activations: the gathered input etp-fold, fc1 and the activation 
           "[plan][moe][etp]") {
   // The layer of the activation test above: GeLU with biases, h = 32, F = 96, T = 128,
   // k = 2, fp32: R = 256 rows at EP 1.
-  ModelSpec m;
-  m.num_layers = 1, m.hidden_size = 32, m.num_attention_heads = 4, m.seq_length = 64, m.vocab_size = 256;
-  m.num_experts = 4, m.moe_router_topk = 2, m.moe_ffn_hidden_size = 96;
-  ActivationOptions cpu;
-  cpu.activation_bytes = cpu.mask_bytes = 4;
-  cpu.megatorch_extras = cpu.flash_attention = true;
+  ModelSpec m = plan_test::small_moe_layer();
+  const ActivationOptions cpu = plan_test::cpu_fp32_activations();
   const double R = 256, h = 32;
   for (int64_t ep : {1, 2}) {
     Layout l = layout(1, 1, 8, ep);

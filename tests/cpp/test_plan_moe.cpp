@@ -263,12 +263,8 @@ TEST_CASE("MoE activations: the routed rows on the busiest rank, to the byte of 
   // The layer tests/python/unit/test_plan_cli.py measures: (s, b, h, a) = (64, 2, 32, 4), 4
   // experts of F = 96, top-2, GeLU with biases, fp32 on CPU with 4-byte hidden-dropout masks,
   // flash attention and the LayerNorm statistics: 479264 bytes without recompute.
-  ModelSpec m;
-  m.num_layers = 1, m.hidden_size = 32, m.num_attention_heads = 4, m.seq_length = 64, m.vocab_size = 256;
-  m.num_experts = 4, m.moe_router_topk = 2, m.moe_ffn_hidden_size = 96;
-  ActivationOptions cpu;
-  cpu.activation_bytes = cpu.mask_bytes = 4;
-  cpu.megatorch_extras = cpu.flash_attention = true;
+  ModelSpec m = plan_test::small_moe_layer();
+  const ActivationOptions cpu = plan_test::cpu_fp32_activations();
   Layout l = layout(1, 1, 1, 1);
   l.micro_batch = 2;
   CHECK(moe_activation_bytes_per_layer(m, l, cpu) == 479264);
