@@ -16,6 +16,7 @@
 #include "megatorch/moe/moe_layer.h"
 #include "megatorch/pipeline/compute_timer.h"
 #include "megatorch/pipeline/p2p_batches.h"
+#include "megatorch/pipeline/split_backward.h"
 
 namespace megatorch::pipeline {
 namespace {
@@ -55,6 +56,7 @@ struct ChunkState {
   PendingRecv grad;        // the backward's output gradient, from the next virtual stage
   at::Tensor input;        // the received activation (requires grad); undefined on the first stage
   at::Tensor output;       // the stage output (or the scaled loss on the last stage)
+  WeightGradPass weights;  // a split backward's W, between its B and W
 };
 
 // One call of run_pipeline_step: the schedule's p2p steps (p2p_batches.h) applied in
@@ -74,8 +76,6 @@ class StepRun {
 
   PipelineStepResult run() {
     MEGATORCH_CHECK(m_ >= 1, "pipeline: expected at least one micro-batch");
-    const std::string refusal = executor_refusal(options_.schedule());
-    MEGATORCH_CHECK(refusal.empty(), "pipeline: ", refusal);
     MEGATORCH_CHECK(options_.schedule() == ScheduleKind::kInterleaved || v_ == 1, "pipeline: the ",
                     schedule_kind_name(options_.schedule()), " schedule runs one chunk per stage, got ", v_,
                     " virtual chunks; use the interleaved schedule");
@@ -86,8 +86,9 @@ class StepRun {
     const auto actions = options_.forward_only()
                              ? build_forward_only_schedule(options_.schedule(), p_, m_, v_, rank_)
                              : build_schedule(options_.schedule(), p_, m_, v_, rank_);
-    backwards_left_ = std::count_if(actions.begin(), actions.end(),
-                                    [](const Action& a) { return a.kind == ActionKind::kBackward; });
+    backwards_left_ = std::count_if(actions.begin(), actions.end(), [](const Action& a) {
+      return is_compute(a.kind) && a.kind != ActionKind::kForward;
+    });
     if (p_ > 1) pp_ = std::make_unique<comm::Group>(stage_.pipeline_group());
     // The stage refuses batches it cannot run and sizes what travels between stages,
     // before any p2p.
@@ -104,10 +105,10 @@ class StepRun {
         post(step.batch);
       } else if (step.compute.kind == ActionKind::kForward) {
         forward(step.compute);
-      } else if (step.compute.kind == ActionKind::kBackward) {
-        backward(step.compute);
+      } else if (step.compute.kind == ActionKind::kBackwardWeight) {
+        backward_weight(step.compute);
       } else {
-        MEGATORCH_FAIL("pipeline: the executor does not run ", action_kind_name(step.compute.kind), " actions yet");
+        backward(step.compute);  // whole, or a split backward's B
       }
     }
     return finish();
@@ -211,10 +212,11 @@ class StepRun {
     timer_.stop(interval);
   }
 
+  // A whole backward, or a split backward's B (the input gradient; W kept for later).
   void backward(const Action& a) {
     free_sent_outputs(false);
     ChunkState& st = chunks_.at(key_of(a));
-    if (options_.before_backward()) options_.before_backward()(--backwards_left_ == 0);
+    before_backward();
     at::Tensor grad;
     if (stage_.is_last_virtual_stage(a.chunk)) {
       grad = at::full_like(st.output, options_.loss_scale());
@@ -223,13 +225,41 @@ class StepRun {
     } else {
       grad = take(st.grad, a);
     }
+    const bool whole = a.kind == ActionKind::kBackward;
     const int64_t interval = timer_.start();
     timed_.push_back(a);
-    backward_from(st.output, grad);
+    if (whole) {
+      backward_from(st.output, grad);
+    } else {
+      st.weights = backward_input(st.output, grad, st.input);
+    }
     timer_.stop(interval);
+    st.output = at::Tensor();  // W holds what it needs of the graph
+    if (whole) unstash(a.chunk);
+  }
+
+  // A split backward's W: the weight gradients its B left. The micro-batch's activations
+  // are held until here (the layer inputs W multiplies with).
+  void backward_weight(const Action& a) {
+    ChunkState& st = chunks_.at(key_of(a));
+    before_backward();
+    const int64_t interval = timer_.start();
+    timed_.push_back(a);
+    st.weights.run();
+    timer_.stop(interval);
+    unstash(a.chunk);
+  }
+
+  // Tells the caller a pass that produces weight gradients is next, and whether it is the
+  // step's last on this rank (B's too: recomputed layers' weight gradients come in B).
+  void before_backward() {
+    --backwards_left_;
+    if (options_.before_backward()) options_.before_backward()(backwards_left_ == 0);
+  }
+
+  void unstash(int64_t chunk) {
     stashed_ -= 1;
-    stashed_bytes_ -= stash_bytes(a.chunk);
-    st.output = at::Tensor();
+    stashed_bytes_ -= stash_bytes(chunk);
   }
 
   // The input a compute consumes: wait for the batch that brings it.
@@ -308,13 +338,6 @@ class StepRun {
 };
 
 }  // namespace
-
-std::string executor_refusal(ScheduleKind kind) {
-  if (!splits_backward(kind)) return "";
-  return std::string("the ") + schedule_kind_name(kind) + " schedule splits each backward into an input-gradient " +
-         "and a weight-gradient pass, which the executor does not run yet; megatorch-schedule simulates it. Use " +
-         "--schedule 1f1b (the same activation memory) or interleaved to train";
-}
 
 PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>& mbs, const ExecutorOptions& options) {
   return StepRun(stage, mbs, options).run();

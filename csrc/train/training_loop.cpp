@@ -57,9 +57,12 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                   o.num_micro_batches(), ", ", o.virtual_chunks(), ", ", o.log_interval(), ", ", o.eval_iters());
   MEGATORCH_CHECK(o.zero_stage() >= 0 && o.zero_stage() <= 3, "TrainingLoop: expected zero_stage in 0..3, got ",
                   o.zero_stage());
-  // Names the schedules when unknown, and refuses one the executor does not run yet.
-  const std::string refusal = pipeline::executor_refusal(pipeline::parse_schedule_kind(o.schedule()));
-  MEGATORCH_CHECK(refusal.empty(), "TrainingLoop: ", refusal);
+  // Names the schedules when unknown. ZeRO-3 frees a unit's gathered parameters once its
+  // gradients are in, which a split backward's W would find freed.
+  const auto kind = pipeline::parse_schedule_kind(o.schedule());
+  MEGATORCH_CHECK(!pipeline::splits_backward(kind) || o.zero_stage() < 3, "TrainingLoop: the ", o.schedule(),
+                  " schedule splits each backward into B and W, which ZeRO-3's per-unit parameter gathers do not "
+                  "follow yet; got zero_stage 3. Use zero_stage 1 or 2 with it, or ZeRO-3 with 1f1b or interleaved");
   MEGATORCH_CHECK(o.virtual_chunks() == 1 || o.schedule() == "interleaved", "TrainingLoop: virtual_chunks ",
                   o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
   auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())

@@ -4,9 +4,11 @@
 // (buffers sized from the stage's activation specs) posted in the batches of p2p_batches.h (one NCCL
 // group each, so NCCL's in-order pairing cannot deadlock), micro-batch losses averaged,
 // gradients accumulated, each stage output freed once sent (Megatron's deallocation:
-// only its autograd graph is kept). Records a timestamp per compute action for the timeline and
-// the measured bubble, and the peak activations stashed for backward. Forward only
-// (evaluation) runs the schedule's forwards through the same p2p, without autograd.
+// only its autograd graph is kept). A zero-bubble schedule's split backward runs through
+// split_backward.h: B sends the input gradient on, W fills a bubble later. Records a
+// timestamp per compute action for the timeline and the measured bubble, and the peak
+// activations stashed for backward (held from a forward to its backward's end: W). Forward
+// only (evaluation) runs the schedule's forwards through the same p2p, without autograd.
 #include <ATen/Tensor.h>
 #include <torch/nn/pimpl.h>
 
@@ -39,18 +41,15 @@ struct ExecutorOptions {
   // The last stage's loss is multiplied by this before backward (fp16 loss scaling);
   // the returned loss is not.
   TORCH_ARG(double, loss_scale) = 1.0;
-  // Called before each backward, with true for this rank's last one of the step (a
-  // data-parallel optimizer starts its gradient reduction during that one).
+  // Called before each backward (a split backward's B and W alike), with true for this
+  // rank's last one of the step (a data-parallel optimizer starts its gradient reduction
+  // during that one; with a split backward it is a W).
   TORCH_ARG(std::function<void(bool)>, before_backward) = nullptr;
   // Megatron's forward_only: the schedule's forwards only (build_forward_only_schedule),
   // under no_grad, for the loss; no backward, no gradients, nothing stashed, outputs
   // dropped once sent. loss_scale and before_backward are unused.
   TORCH_ARG(bool, forward_only) = false;
 };
-
-// Empty when the executor runs `kind`; else why not and what to use instead (a schedule
-// that splits backward is simulated by megatorch-schedule but not run yet).
-std::string executor_refusal(ScheduleKind kind);
 
 // One training step's forward and backward over all micro-batches (no optimizer step),
 // or with forward_only the forwards alone (evaluation).
