@@ -44,7 +44,7 @@ def losses(path):
 
 def test_same_losses_at_every_layout(tmp_path):
     """TP2 x PP2, DP4 with ZeRO-3, PP2 interleaved x DP2 with ZeRO-3, PP4, TP2 + SP x DP2
-    with ZeRO-2 and one rank: the same 20 losses (fp32, 1e-5)."""
+    with ZeRO-2, PP2 zb-h1 x DP2 with ZeRO-2 and one rank: the same 20 losses (fp32, 1e-5)."""
     runs = {
         "tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         "dp4zero3": (4, ["--zero-stage", "3"]),
@@ -55,6 +55,10 @@ def test_same_losses_at_every_layout(tmp_path):
         "pp4zero1": (4, ["--pipeline-model-parallel-size", "4", "--zero-stage", "1"]),
         # SP's partial sums added by the optimizer after its overlapped DP reduction (ZeRO-2).
         "tp2spdp2zero2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]),
+        # Zero-bubble's split backward: W's gradients reduced over DP by ZeRO-2's buckets;
+        # the recomputed layers' weight gradients come in B.
+        "pp2dp2zbh1zero2": (4, ["--pipeline-model-parallel-size", "2", "--schedule", "zb-h1", "--zero-stage", "2",
+                                "--recompute-granularity", "full"]),
         "single": (1, []),
     }
     got = {}
@@ -66,7 +70,7 @@ def test_same_losses_at_every_layout(tmp_path):
         assert sorted(got[name]) == list(range(1, 21))
     ref = got["single"]
     assert ref[20] < ref[1]  # it learns
-    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3", "pp4zero1", "tp2spdp2zero2"):
+    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3", "pp4zero1", "tp2spdp2zero2", "pp2dp2zbh1zero2"):
         for it, loss in ref.items():
             assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
 
@@ -97,8 +101,8 @@ def fails_fast(base, args, message):
     (["--global-batch-size", "6"], "to be a multiple of --micro-batch-size x data-parallel size"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "2"], "expected at least one layer per pipeline stage"),
     (["--bf16", "--fp16"], "contradict"),
-    (["--schedule", "zb-h1", "--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "0"],
-     "which the executor does not run yet"),
+    (["--schedule", "zb-h1", "--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--lr-warmup-iters", "0"],
+     "which ZeRO-3's per-unit parameter gathers do not follow yet; got zero_stage 3"),
     (["--no-such-flag"], "--no-such-flag"),
     # No GPU on this machine: asking for one fails before anything connects (the warm-up
     # flag only makes the rest of this configuration valid).
@@ -221,9 +225,10 @@ def check_reload_matches(tmp_path, ckpt, layouts, saving, model=MODEL):
 
 
 def test_checkpoint_reshards_to_other_layouts(tmp_path):
-    """Saved at TP2 x PP2 (4 ranks, ZeRO-1 optimizer state), loaded at TP1 x PP1, TP4 and
-    DP2 x ZeRO-3: the same validation loss (1e-6), and two more training steps give the
-    losses the saving layout gives — the optimizer state was resharded too."""
+    """Saved at TP2 x PP2 with 1f1b (4 ranks, ZeRO-1 optimizer state), loaded at TP1 x PP1,
+    TP4, DP2 x ZeRO-3 and PP4 with zb-h1: the same validation loss (1e-6), and two more
+    training steps give the losses the saving layout gives — the optimizer state was
+    resharded too, and the split-backward schedule continues the other's run."""
     ckpt = tmp_path / "ckpt"
     saving = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
     out, _ = torchrun(4, [*MODEL, "--train-iters", "4", *saving, "--save", str(ckpt)])
@@ -233,6 +238,7 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path):
         "tp1": (1, []),
         "tp4": (4, ["--tensor-model-parallel-size", "4"]),
         "dp2zero3": (2, ["--zero-stage", "3"]),
+        "pp4zbh1": (4, ["--pipeline-model-parallel-size", "4", "--schedule", "zb-h1", "--zero-stage", "1"]),
     }
     check_reload_matches(tmp_path, ckpt, layouts, "tp2pp2")
 
