@@ -131,8 +131,9 @@ TEST_CASE("a user's model in its own chunks gives the single-rank loss and gradi
   for (auto [tpn, ppn] : layouts) {
     auto st = mp::state(tpn, ppn, "toy_" + std::to_string(tpn) + "_" + std::to_string(ppn));
     Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);
+    // zb-h1 splits the user's backward at its own layers (split_backward.h).
     for (auto kind : {pipeline::ScheduleKind::kGPipe, pipeline::ScheduleKind::kOneFOneB,
-                      pipeline::ScheduleKind::kInterleaved}) {
+                      pipeline::ScheduleKind::kInterleaved, pipeline::ScheduleKind::kZeroBubbleH1}) {
       for (bool declared : {false, true}) {
         const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
         const int64_t m = 2 * ppn;
