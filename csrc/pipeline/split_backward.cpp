@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cctype>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -80,15 +82,27 @@ std::vector<Node*> post_order(Node* root) {
   return order;
 }
 
-// Where B and W part. `path`: the nodes B runs (those from which the input's gradient
-// is reachable), children first; `split[i]` reaches the parameters `weights[i]` through
-// edges that leave the path. `clean` is false where a parameter is reached from two
-// split nodes: one W per split node would then count it twice.
+// Whether W should take a node's parameter gradients: a matrix product's weight GEMM (mm,
+// addmm, bmm, a linear layer's own autograd function) is the work worth moving into a
+// bubble. A norm's or a bias's gradient is a cheap reduction whose node W would have to
+// run a second time (its input gradient again, for a fused kernel): those stay in B.
+bool defers_weight_grad(const Node& n) {
+  std::string name = n.name();
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  return name.find("mm") != std::string::npos || name.find("linear") != std::string::npos;
+}
+
+// Where B and W part. `path`: the nodes B runs (those from which the input's gradient is
+// reachable); `split`: the nodes of the path whose edges leaving it lead to parameters
+// whose gradients W computes; `eager`: the parameters B computes (the others' and any
+// that a deferred node shares with them, which must not be counted in both). Nothing off
+// the path leads back onto it (it would then reach the input), so cutting the split
+// nodes' edges into the path leaves W exactly the split nodes and the parameter-side
+// graph below them.
 struct Cut {
   std::vector<Node*> path;
   std::vector<Node*> split;
-  std::vector<edge_list> weights;
-  bool clean = true;
+  edge_list eager;
 };
 
 Cut find_cut(Node* root, Node* input_leaf) {
@@ -104,9 +118,15 @@ Cut find_cut(Node* root, Node* input_leaf) {
       }
     }
   }
-  std::unordered_map<Node*, Node*> owner;  // a parameter's AccumulateGrad -> the split node reaching it
-  for (Node* n : cut.path) {
+  // Each path node's parameters off the path (their AccumulateGrad edges).
+  struct Candidate {
+    Node* node;
     edge_list weights;
+    bool eager;
+  };
+  std::vector<Candidate> candidates;
+  for (Node* n : cut.path) {
+    Candidate c{n, {}, !defers_weight_grad(*n)};
     std::unordered_set<Node*> seen;
     std::vector<Edge> stack;
     for (const Edge& e : n->next_edges()) {
@@ -115,32 +135,42 @@ Cut find_cut(Node* root, Node* input_leaf) {
     while (!stack.empty()) {
       const Edge e = stack.back();
       stack.pop_back();
-      Node* node = e.function.get();
-      if (!seen.insert(node).second) continue;
-      if (is_leaf(node)) {
-        const auto [it, fresh] = owner.emplace(node, n);
-        if (fresh) weights.emplace_back(e.function, 0);
-        else if (it->second != n) cut.clean = false;
-        continue;
-      }
-      for (const Edge& next : node->next_edges()) {
+      if (!seen.insert(e.function.get()).second) continue;
+      if (is_leaf(e.function.get())) c.weights.emplace_back(e.function, 0);
+      for (const Edge& next : e.function->next_edges()) {
         if (next.function) stack.push_back(next);
       }
     }
-    if (!weights.empty()) {
-      cut.split.push_back(n);
-      cut.weights.push_back(std::move(weights));
+    if (!c.weights.empty()) candidates.push_back(std::move(c));
+  }
+  // A parameter B computes is computed whole in B: every node reaching it runs there.
+  std::unordered_set<Node*> eager;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (Candidate& c : candidates) {
+      const bool shares = std::any_of(c.weights.begin(), c.weights.end(),
+                                      [&](const Edge& w) { return eager.count(w.function.get()) > 0; });
+      if (!c.eager && shares) c.eager = changed = true;
+      if (!c.eager) continue;
+      for (const Edge& w : c.weights) changed |= eager.insert(w.function.get()).second;
     }
   }
+  for (const Candidate& c : candidates) {
+    if (!c.eager) cut.split.push_back(c.node);
+  }
+  for (Node* w : eager) cut.eager.emplace_back(w->getptr(), 0);
   return cut;
 }
 
 }  // namespace
 
 void WeightGradPass::run() {
-  auto roots = std::move(roots_);
+  if (roots_.empty()) return;
+  const auto roots = std::move(roots_);
+  const auto grads = std::move(grads_);
   roots_.clear();
-  for (const Root& r : roots) run_engine(r.edges, r.grads, /*keep_graph=*/false, r.weights);
+  grads_.clear();
+  run_engine(roots, grads, /*keep_graph=*/false, {});
 }
 
 WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, const at::Tensor& input) {
@@ -149,17 +179,17 @@ WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, 
                   "that does not require grad; run the chunk's forward with grad mode on");
   WeightGradPass pass;
   if (!input.defined()) {  // the first stage: no input gradient, W is the whole backward
-    pass.roots_.push_back({{root}, {grad}, {}});
+    pass.roots_ = {root};
+    pass.grads_ = {grad};
+    pass.split_nodes_ = 1;
     return pass;
   }
   MEGATORCH_CHECK(input.is_leaf() && input.requires_grad(), "split backward: expected the stage input as a leaf "
                   "that requires grad (the executor's received activation), got one that ",
                   input.is_leaf() ? "does not require grad" : "is not a leaf");
   const Edge input_edge = torch::autograd::impl::gradient_edge(input);
-  Cut cut = find_cut(root.function.get(), input_edge.function.get());
-  // The output does not depend on the input (the caller reports the missing gradient),
-  // or one W per split node would count a parameter twice: everything in B.
-  if (cut.path.empty() || !cut.clean) {
+  const Cut cut = find_cut(root.function.get(), input_edge.function.get());
+  if (cut.path.empty()) {  // the output does not depend on the input: the caller reports it
     run_engine({root}, {grad}, /*keep_graph=*/false, {});
     return pass;
   }
@@ -167,25 +197,30 @@ WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, 
   {
     CaptureScope scope;
     for (Node* n : cut.split) captured.push_back(scope.add(n));
-    run_engine({root}, {grad}, /*keep_graph=*/true, {input_edge});
+    edge_list outputs{input_edge};
+    outputs.insert(outputs.end(), cut.eager.begin(), cut.eager.end());
+    run_engine({root}, {grad}, /*keep_graph=*/true, outputs);
   }
-  // W runs only the split nodes and what lies off the path: the rest of the path's saved
-  // activations are free now.
+  // W is one engine run from the split nodes, which no longer lead into the path; the
+  // path's other saved activations are free now.
+  const std::unordered_set<Node*> path(cut.path.begin(), cut.path.end());
   const std::unordered_set<Node*> split(cut.split.begin(), cut.split.end());
   for (Node* n : cut.path) {
     if (!split.count(n)) n->release_variables();
   }
   for (size_t i = 0; i < cut.split.size(); ++i) {
-    WeightGradPass::Root r;
-    r.weights = std::move(cut.weights[i]);
+    Node* n = cut.split[i];
+    for (Edge& e : n->next_edges()) {
+      if (e.function && (path.count(e.function.get()) || e.function == input_edge.function)) e = Edge();
+    }
     const variable_list& grads = *captured[i];
     for (size_t j = 0; j < grads.size(); ++j) {
       if (!grads[j].defined()) continue;
-      r.edges.emplace_back(cut.split[i]->getptr(), static_cast<uint32_t>(j));
-      r.grads.push_back(grads[j]);
+      pass.roots_.emplace_back(n->getptr(), static_cast<uint32_t>(j));
+      pass.grads_.push_back(grads[j]);
     }
-    if (!r.edges.empty()) pass.roots_.push_back(std::move(r));
   }
+  pass.split_nodes_ = static_cast<int64_t>(cut.split.size());
   return pass;
 }
 

@@ -5,20 +5,21 @@
 // to fill a bubble, computes the weight gradients.
 //
 // How: the graph from the stage output is cut where the input-gradient path and a
-// weight-gradient path part (a "split node": an addmm of a linear layer, a norm, a bias
-// add; any node with an edge to the input's path and one towards a parameter). B runs the
-// engine for the input gradient alone, so each split node computes only its input-side
-// gradient (at::linear's backward skips the weight GEMM; megatorch's sequence-parallel
-// linear skips its re-gather), and a pre-hook keeps the output gradient the node was given.
-// W runs each split node again from that gradient, for its parameters only: the weight
-// GEMM with the layer input the node saved, and nothing on the input path. What W needs
+// weight-gradient path part at a matrix product (a "split node": the mm / addmm of a
+// linear layer, a linear layer's own autograd function). B runs the engine for the input
+// gradient alone, so each split node computes only its input-side gradient (at::linear's
+// backward skips the weight GEMM; megatorch's sequence-parallel linear skips its
+// re-gather), and a pre-hook keeps the output gradient the node was given. Parameters
+// reached otherwise (norms, biases added on their own: cheap reductions whose node W
+// would have to run again) get their gradients in B.
+// After B the split nodes' edges into the input path are cut, so W, one engine run from
+// the split nodes with those gradients, computes only the parameter side: the weight GEMM
+// with the layer input the node saved, and nothing on the input path. What W needs
 // is exactly the layer inputs and output gradients; B frees the other saved activations
 // of the input path. W accumulates into .grad through the parameters' AccumulateGrad
 // nodes, so gradient hooks (a data-parallel bucket's reduction) fire when W completes.
 //
-// Where the cut would count a parameter twice (one used on two paths, or reached from two
-// split nodes), B runs the whole backward and W has nothing left: always correct, no
-// split. Work autograd does as a side effect inside B (full-layer recomputation's replay
+// Work autograd does as a side effect inside B (full-layer recomputation's replay
 // accumulates its layer's weight gradients) stays in B.
 #include <ATen/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
@@ -36,20 +37,15 @@ class WeightGradPass {
   void run();
   // Whether run() has work: false after run(), or when B already did everything.
   bool pending() const { return !roots_.empty(); }
-  // The graph points W starts from (the split nodes; 1 when W runs the whole backward of a
+  // The graph points W starts from: the split nodes (1 when W runs the whole backward of a
   // first stage, which has no input gradient to compute).
-  int64_t num_roots() const { return static_cast<int64_t>(roots_.size()); }
-
-  // One engine run of W: from a split node, for the parameters it reaches.
-  struct Root {
-    torch::autograd::edge_list edges;      // (split node, input number) for each gradient it was given
-    std::vector<at::Tensor> grads;         // those gradients
-    torch::autograd::edge_list weights;    // the parameters' AccumulateGrad edges it reaches; empty: all
-  };
+  int64_t num_roots() const { return split_nodes_; }
 
  private:
   friend WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, const at::Tensor& input);
-  std::vector<Root> roots_;
+  torch::autograd::edge_list roots_;  // (split node, input number) for each gradient it was given in B
+  std::vector<at::Tensor> grads_;     // those gradients
+  int64_t split_nodes_ = 0;
 };
 
 // B: backward from `output` (a stage output, or the loss) with `grad`, computing only the
