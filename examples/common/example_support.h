@@ -37,7 +37,7 @@ inline void add_loop_flags(CLI::App& app, LoopFlags& f, const std::string& sampl
   app.add_option("--tp", f.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--pp", f.pp, "pipeline-parallel size (dp = world / (tp·pp))")->check(CLI::PositiveNumber);
   app.add_option("--virtual-chunks", f.virtual_chunks, "chunks per pipeline rank (with --schedule interleaved)");
-  app.add_option("--schedule", f.schedule, "gpipe | 1f1b | interleaved");
+  app.add_option("--schedule", f.schedule, mt::pipeline::schedule_kind_names());
   app.add_option("--zero", f.zero, "ZeRO stage 0-3")->check(CLI::Range(0, 3));
   app.add_option("--device", f.device, "cpu | cuda | auto");
   app.add_option("--iters", f.iters, "training iterations");
