@@ -344,8 +344,9 @@ PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>
 }
 
 std::vector<TimelineRecord> gather_timeline(const PipelineStepResult& result, const std::string& pp_group) {
-  // Every rank runs the same number of compute actions (2·m·v; m·v forward only): one all-gather of
-  // [n, 5] doubles (kind, micro-batch, chunk, start, end) brings them all.
+  // Every rank runs the same number of compute actions (2·m·v, 3·m·v with a split backward;
+  // m·v forward only): one all-gather of [n, 5] doubles (kind, micro-batch, chunk, start,
+  // end) brings them all.
   const int64_t n = static_cast<int64_t>(result.timeline.size());
   at::Tensor mine = at::empty({n, 5}, at::kDouble);
   for (int64_t i = 0; i < n; ++i) {
