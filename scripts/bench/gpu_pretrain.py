@@ -6,7 +6,8 @@
    configuration within 1e-4 (relative).
 2. shared_gpu: TP2 x PP2 as 4 processes on the one GPU (NCCL refuses two ranks on one
    device, so --device cuda:0 --distributed-backend gloo: Gloo with CUDA tensors), its
-   losses equal the same layout's CPU run within 1e-4.
+   losses equal the same layout's CPU run within 1e-4; shared_gpu_zb_h1: the same under
+   --schedule zb-h1 (the split backward on CUDA) against the CPU's 1F1B.
 3. gpt_1p3b: one GPU, bf16, GPT ~1.3B (h 2048, 24 layers, 16 heads, seq 2048, vocabulary
    50304), the micro-batch halved from --micro-batch until it fits: steady-state
    tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure.
@@ -92,13 +93,16 @@ def check_parity(binary, gpu, timeout):
             "log_tail": "" if code_d == code_c == 0 else tail_d + tail_c}
 
 
-def check_shared_gpu(binary, timeout):
+def check_shared_gpu(binary, timeout, schedule="1f1b"):
+    """TP2 x PP2 on the GPU under `schedule` against the CPU's 1F1B run of the same layout
+    (zb-h1's split backward must give 1F1B's losses)."""
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    dev, code_d, tail_d = run_pretrain(binary, 4, [*TINY, *layout, "--device", "cuda:0",
+    dev, code_d, tail_d = run_pretrain(binary, 4, [*TINY, *layout, "--schedule", schedule, "--device", "cuda:0",
                                                    "--distributed-backend", "gloo"], timeout)
     cpu, code_c, tail_c = run_pretrain(binary, 4, [*TINY, *layout, "--device", "cpu"], timeout)
     rows, ok = compare(dev, cpu, 1e-4)
-    return {"what": "TP2 x PP2, 4 processes on one GPU (Gloo, CUDA tensors) vs the same layout on CPU",
+    return {"what": f"TP2 x PP2 {schedule}, 4 processes on one GPU (Gloo, CUDA tensors) vs the same layout's "
+                    "1f1b on CPU",
             "ok": ok and code_d == 0 and code_c == 0, "rtol": 1e-4, "losses": rows,
             "max_rel_diff": max((r["rel_diff"] or 0) for r in rows) if rows else None,
             "log_tail": "" if code_d == code_c == 0 else tail_d + tail_c}
@@ -134,8 +138,8 @@ def measure_1p3b(binary, micro_batch, iters, deadline):
 
 def markdown(result, gpt_rows):
     lines = ["| check | result | detail |", "|---|---|---|"]
-    for key in ("parity", "shared_gpu"):
-        c = result[key]
+    for key in ("parity", "shared_gpu", "shared_gpu_zb_h1"):
+        c = result.get(key, {"skipped": "not run"})  # a JSON from before the check existed
         if c.get("skipped"):
             lines.append(f"| {key} | skipped | {c['skipped']} |")
         else:
@@ -197,12 +201,15 @@ def main():
     if gpu:
         result["shared_gpu"] = check_shared_gpu(binary, timeout=300)
         print("shared_gpu:", json.dumps({k: v for k, v in result["shared_gpu"].items() if k != "losses"}), flush=True)
+        result["shared_gpu_zb_h1"] = check_shared_gpu(binary, timeout=300, schedule="zb-h1")
+        print("shared_gpu_zb_h1:", json.dumps({k: v for k, v in result["shared_gpu_zb_h1"].items() if k != "losses"}),
+              flush=True)
         result["gpt_1p3b"] = measure_1p3b(binary, a.micro_batch, a.iters, deadline)
         print("gpt_1p3b:", json.dumps(result["gpt_1p3b"])[:2000], flush=True)
     else:
-        result["shared_gpu"] = {"skipped": "no GPU", "ok": True}
-        result["gpt_1p3b"] = {"skipped": "no GPU", "ok": True}
-    result["ok"] = all(result[k]["ok"] for k in ("parity", "shared_gpu", "gpt_1p3b"))
+        for key in ("shared_gpu", "shared_gpu_zb_h1", "gpt_1p3b"):
+            result[key] = {"skipped": "no GPU", "ok": True}
+    result["ok"] = all(result[k]["ok"] for k in ("parity", "shared_gpu", "shared_gpu_zb_h1", "gpt_1p3b"))
     out.write_text(json.dumps(result, indent=2))
     table = markdown(result, gpt_rows)
     out.with_suffix(".md").write_text(table)
