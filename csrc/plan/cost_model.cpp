@@ -81,6 +81,7 @@ double attention_forward_s(const ModelSpec& m, const Layout& l, const Cluster& c
 
 struct LayerCost {
   double compute_fwd = 0;    // GEMMs + memory-bound work of one forward
+  double weight_grad = 0;    // of which the GEMMs with the weights: a split backward's W
   double selective = 0;      // the attention core again (selective recompute)
   double tp_fwd = 0;         // the forward's two TP collectives (backward has two more)
   CpTraffic cp;              // the CP exchange (zero at cp = 1)
@@ -103,10 +104,11 @@ LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   const double traffic = activation_bytes_per_layer(m, none, paper);
   const double hbm = c.memory_bandwidth_gbps * 1e9;
   const double A = static_cast<double>(m.num_attention_heads) * m.seq_length * (m.seq_length / l.cp) * l.micro_batch;
+  const auto gemm_s = [&](double flops) { return flops / t / cp / (peak * eff); };
   LayerCost lc;
-  lc.compute_fwd = f.total() / t / cp / (peak * eff) + k.memory_bound_passes * traffic / hbm;
-  lc.selective = f.attention / t / cp / (peak * eff) +
-                 k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
+  lc.compute_fwd = gemm_s(f.total()) + k.memory_bound_passes * traffic / hbm;
+  lc.weight_grad = gemm_s(f.weights);
+  lc.selective = gemm_s(f.attention) + k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
   const double act = static_cast<double>(l.micro_batch) * (m.seq_length / l.cp) * m.hidden_size * paper.activation_bytes;
   const double bw = l.tp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
   // Under SP the column layers' backward also re-gathers their input shards (one
@@ -137,9 +139,10 @@ LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, 
   const double margin = effective_imbalance_margin(m, l.ep);
   const double routed_t = l.sequence_parallel ? t : 1.0;  // the TP ranks that share the routing
   const double router = 2.0 * l.micro_batch * m.seq_length * m.hidden_size * static_cast<double>(m.num_experts);
-  lc.compute_fwd = (f.weights - router + f.attention) / t / cp / (peak * eff) +
-                   (router + f.experts * margin) / routed_t / cp / (peak * eff_experts) +
+  const double routed = (router + f.experts * margin) / routed_t / cp / (peak * eff_experts);
+  lc.compute_fwd = (f.weights - router + f.attention) / t / cp / (peak * eff) + routed +
                    k.memory_bound_passes * traffic / (c.memory_bandwidth_gbps * 1e9);
+  lc.weight_grad = (f.weights - router) / t / cp / (peak * eff) + routed;
   if (m.moe_shared_expert_intermediate_size == 0) lc.tp_fwd /= 2;
   lc.ep = moe_traffic_per_layer(m, l, c, k, p);
   return lc;
@@ -148,11 +151,12 @@ LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, 
 struct StageCost {
   double compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, etp = 0, p2p = 0;  // per micro-batch, slowest stage
   double chunk_forward = 0, chunk_backward = 0;
+  double chunk_weight_grad = 0;  // of chunk_backward, the weight GEMMs (before recompute's rule)
 };
 
 // One layer's seconds in a chunk's forward and backward, and its shares of the totals.
 struct LayerTimes {
-  double forward = 0, backward = 0, compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, etp = 0;
+  double forward = 0, backward = 0, compute = 0, recompute = 0, tp = 0, cp = 0, ep = 0, etp = 0, weight_grad = 0;
 };
 LayerTimes layer_times(const LayerCost& lc, Recompute r) {
   double rec = 0, rec_tp = 0;
@@ -170,6 +174,7 @@ LayerTimes layer_times(const LayerCost& lc, Recompute r) {
   lt.cp = cp_fwd + cp_bwd;
   lt.ep = ep_fwd + ep_bwd;
   lt.etp = etp_fwd + etp_bwd;
+  lt.weight_grad = lc.weight_grad;
   return lt;
 }
 
@@ -197,6 +202,7 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   if (!m.is_moe()) {
     s.chunk_forward = layers_per_chunk * (lc.compute_fwd + lc.tp_fwd + cp_fwd) + head / v + p2p;
     s.chunk_backward = layers_per_chunk * (2 * lc.compute_fwd + lc.tp_fwd + rec + rec_tp + cp_bwd) + 2 * head / v + p2p;
+    s.chunk_weight_grad = layers_per_chunk * lc.weight_grad + head / v;  // the head's weight GEMM too
     const double layers = layers_per_chunk * v;
     s.compute = layers * (3 * lc.compute_fwd + rec) + 3 * head;
     s.recompute = layers * rec;
@@ -216,7 +222,9 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
     for (int64_t ch = 0; ch < l.vpp; ++ch) {
       const LayerCounts n = chunk_layer_counts(m, l.pp, l.vpp, r, ch);
       const double f = sum(n, &LayerTimes::forward), b = sum(n, &LayerTimes::backward);
-      if (f + b > slowest_chunk) slowest_chunk = f + b, s.chunk_forward = f, s.chunk_backward = b;
+      if (f + b <= slowest_chunk) continue;
+      slowest_chunk = f + b, s.chunk_forward = f, s.chunk_backward = b;
+      s.chunk_weight_grad = sum(n, &LayerTimes::weight_grad);
     }
     const LayerCounts n = stage_layer_counts(m, l.pp, l.vpp, r);
     const double busy = sum(n, &LayerTimes::forward) + sum(n, &LayerTimes::backward);
@@ -231,6 +239,7 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   }
   s.chunk_forward += head / v + p2p;
   s.chunk_backward += 2 * head / v + p2p;
+  s.chunk_weight_grad += head / v;
   s.p2p = 2 * v * p2p;
   return s;
 }
@@ -293,6 +302,14 @@ PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster&
   pc.tick = s.chunk_forward / kForwardTicks;
   pc.options.forward_cost = kForwardTicks;
   pc.options.backward_cost = std::max<int64_t>(1, std::llround(s.chunk_backward / pc.tick));
+  // Full recompute's replay runs inside B and accumulates the weight gradients there.
+  pc.chunk_backward_weight = l.recompute == Recompute::kFull ? 0 : s.chunk_weight_grad;
+  pc.backward_weight_ticks =
+      std::min<int64_t>(pc.options.backward_cost, std::llround(pc.chunk_backward_weight / pc.tick));
+  pc.backward_input_ticks = pc.options.backward_cost - pc.backward_weight_ticks;
+  pc.options.backward_weight_cost =
+      std::clamp<int64_t>(pc.backward_weight_ticks, 1, std::max<int64_t>(1, pc.options.backward_cost - 1));
+  pc.options.backward_input_cost = std::max<int64_t>(1, pc.options.backward_cost - pc.options.backward_weight_cost);
   pc.options.p2p_cost = 0;  // transfers are blocking: they are inside the chunk costs
   pc.options.record_timeline = false;
   return pc;
@@ -301,8 +318,8 @@ PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster&
 TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_batch, const Cluster& c,
                            const Calibration& k, const CostOptions& o) {
   const PipelineCosts pc = pipeline_costs(m, l, c, k, o);
-  const auto kind = l.vpp > 1 ? pipeline::ScheduleKind::kInterleaved : pipeline::ScheduleKind::kOneFOneB;
-  const auto sim = pipeline::simulate_schedule(kind, l.pp, l.num_microbatches(global_batch), l.vpp, pc.options);
+  const auto sim =
+      pipeline::simulate_schedule(schedule_of(l), l.pp, l.num_microbatches(global_batch), l.vpp, pc.options);
   return predict_time(m, l, global_batch, c, k, o, pc, sim);
 }
 

@@ -173,8 +173,7 @@ MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, int64_t glob
   const int64_t mb = l.num_microbatches(global_batch);
   pipeline::SimulatorOptions costs;
   costs.record_timeline = false;
-  const auto kind = l.vpp > 1 ? pipeline::ScheduleKind::kInterleaved : pipeline::ScheduleKind::kOneFOneB;
-  return predict_memory(m, l, pipeline::simulate_schedule(kind, l.pp, mb, l.vpp, costs), o);
+  return predict_memory(m, l, pipeline::simulate_schedule(schedule_of(l), l.pp, mb, l.vpp, costs), o);
 }
 
 MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, const pipeline::SimulationResult& sim,

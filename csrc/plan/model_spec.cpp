@@ -124,6 +124,43 @@ std::string Layout::str() const {
   if (vpp > 1) os << " VP=" << vpp;
   os << " ZeRO-" << zero_stage << " mb=" << micro_batch << " recompute=" << transformer::to_string(recompute);
   if (sequence_parallel) os << " SP";
+  // Only what vpp does not imply, so that 1F1B and interleaved layouts print as they always did.
+  if (!schedule_implied(*this)) os << " sched=" << pipeline::schedule_kind_name(schedule_of(*this));
+  return os.str();
+}
+
+pipeline::ScheduleKind schedule_of(const Layout& l) {
+  return l.vpp > 1 && l.schedule == pipeline::ScheduleKind::kOneFOneB ? pipeline::ScheduleKind::kInterleaved
+                                                                       : l.schedule;
+}
+
+bool schedule_implied(const Layout& l) {
+  Layout plain = l;
+  plain.schedule = pipeline::ScheduleKind::kOneFOneB;
+  return schedule_of(l) == schedule_of(plain);
+}
+
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage) {
+  using pipeline::ScheduleKind;
+  const bool zb = kind == ScheduleKind::kZeroBubbleH1;
+  std::ostringstream os;
+  if (kind == ScheduleKind::kGPipe)
+    os << "the planner models the 1f1b, interleaved and zb-h1 schedules, got gpipe (it holds every micro-batch's "
+          "activations for 1f1b's bubble); use --schedule 1f1b";
+  else if ((kind == ScheduleKind::kOneFOneB || zb) && vpp > 1)
+    os << "the " << pipeline::schedule_kind_name(kind) << " schedule runs one model chunk per stage: expected VP=1, "
+       << "got VP=" << vpp << "; use --schedule interleaved for virtual stages, or "
+       << "--virtual-pipeline-model-parallel-size 1";
+  else if (kind == ScheduleKind::kInterleaved && vpp == 1)
+    os << "the interleaved schedule runs several model chunks per stage: expected VP > 1, got VP=1; give "
+          "--virtual-pipeline-model-parallel-size 2 or more, or use --schedule 1f1b";
+  else if (zb && pp == 1)
+    os << "the zb-h1 schedule fills the bubbles of a pipeline: expected PP > 1, got PP=1; use --schedule 1f1b or a "
+          "--pipeline-model-parallel-size > 1";
+  else if (zb && zero_stage == 3)
+    os << "the zb-h1 schedule splits each backward into B and W, which ZeRO-3's parameter gathers do not follow "
+          "(TrainingLoop refuses them together): expected ZeRO stage 0, 1 or 2, got ZeRO-3; use --zero-stage 1 or 2, "
+          "or --schedule 1f1b";
   return os.str();
 }
 
@@ -157,6 +194,8 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
     os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
   else if (l.vpp > 1 && l.pp == 1)
     os << "virtual pipeline stages need PP > 1";
+  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp, l.zero_stage); !e.empty())
+    os << e;
   else if (!m.is_moe() && l.ep != 1)
     os << "expected --expert-model-parallel-size 1 for a dense model, got EP=" << l.ep
        << "; give --num-experts to plan a mixture of experts";

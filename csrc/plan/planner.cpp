@@ -20,21 +20,37 @@ MemoryOptions memory_options(const PlanRequest& r) {
 
 namespace {
 
-using SimKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+using pipeline::ScheduleKind;
+// The schedule, p, m, v and the F, B + W, B and W ticks: all a simulation depends on.
+using SimKey = std::tuple<ScheduleKind, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 const pipeline::SimulationResult& simulate_cached(std::map<SimKey, pipeline::SimulationResult>& cache,
                                                   const Layout& l, int64_t m, const PipelineCosts& pc) {
-  const SimKey key{l.pp, m, l.vpp, pc.options.forward_cost, pc.options.backward_cost};
+  const pipeline::SimulatorOptions& o = pc.options;
+  const SimKey key{schedule_of(l), l.pp, m, l.vpp, o.forward_cost, o.backward_cost, o.backward_input_cost,
+                   o.backward_weight_cost};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const auto kind = l.vpp > 1 ? pipeline::ScheduleKind::kInterleaved : pipeline::ScheduleKind::kOneFOneB;
-  return cache.emplace(key, pipeline::simulate_schedule(kind, l.pp, m, l.vpp, pc.options)).first->second;
+  return cache.emplace(key, pipeline::simulate_schedule(schedule_of(l), l.pp, m, l.vpp, o)).first->second;
+}
+
+CostOptions cost_options(const PlanRequest& r) {
+  CostOptions co;
+  co.precision = r.precision;
+  return co;
+}
+
+// Why the search leaves out a valid layout ("" when it does not): zb-h1 with no W to defer
+// runs 1F1B's timeline with every stage holding min(p, m) micro-batches.
+std::string without_gain(const Layout& l, const PipelineCosts& pc) {
+  if (schedule_of(l) != ScheduleKind::kZeroBubbleH1 || pc.backward_weight_ticks > 0) return "";
+  return "no weight gradients to defer (W = 0 ticks: full recompute computes them inside B), so 1f1b's time with "
+         "more activations in flight; use --schedule 1f1b";
 }
 
 Candidate evaluate_cached(const PlanRequest& r, const Layout& l, std::map<SimKey, pipeline::SimulationResult>& cache) {
   validate_layout(r.model, l, r.cluster.gpus(), r.global_batch);
-  CostOptions co;
-  co.precision = r.precision;
+  const CostOptions co = cost_options(r);
   const PipelineCosts pc = pipeline_costs(r.model, l, r.cluster, r.calibration, co);
   const auto& sim = simulate_cached(cache, l, l.num_microbatches(r.global_batch), pc);
   Candidate c;
@@ -112,12 +128,27 @@ PlanResult plan(const PlanRequest& r) {
   for (int64_t p = 1; p <= r.model.num_layers; ++p)
     if (r.model.num_layers % p == 0 && n % p == 0) pps.push_back(p);
   for (int64_t v = 1; v <= r.max_vpp; ++v) vpps.push_back(v);
+  if (r.schedule) {
+    // A fixed schedule against the fixed knobs, named before any layout is tried; the searched
+    // VP sizes are those it runs with (2 stages and ZeRO 0 stand in for unfixed ones).
+    const auto conflict = [&](int64_t v) {
+      return schedule_error(*r.schedule, r.pp.value_or(2), v, r.zero_stage.value_or(0));
+    };
+    vpps.erase(std::remove_if(vpps.begin(), vpps.end(), [&](int64_t v) { return !conflict(v).empty(); }), vpps.end());
+    const std::string e = conflict(r.vpp.value_or(vpps.empty() ? 1 : vpps.front()));
+    MEGATORCH_CHECK(e.empty(), "--schedule ", pipeline::schedule_kind_name(*r.schedule),
+                    " does not run with the fixed settings: ", e);
+  }
   for (int64_t b = 1; b <= r.max_micro_batch; b *= 2) mbs.push_back(b);
   const std::vector<int> zeros = r.zero_stage ? std::vector<int>{*r.zero_stage} : std::vector<int>{0, 1, 2, 3};
   const std::vector<Recompute> recomputes =
       r.recompute ? std::vector<Recompute>{*r.recompute}
                   : std::vector<Recompute>{Recompute::kNone, Recompute::kSelective, Recompute::kFull};
 
+  // Searched: 1F1B (interleaved at VP > 1, schedule_of) and next to it zb-h1.
+  const std::vector<ScheduleKind> kinds =
+      r.schedule ? std::vector<ScheduleKind>{*r.schedule}
+                 : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1};
   PlanResult result;
   std::map<SimKey, pipeline::SimulationResult> cache;
   const MemoryOptions mo = memory_options(r);
@@ -126,15 +157,19 @@ PlanResult plan(const PlanRequest& r) {
   double smallest_bound = 0;
   // One layout: refused (kept as an example of why), or screened and simulated against the
   // memory, and ranked if it fits.
-  const auto consider = [&](const Layout& l, bool example) {
+  // `optional`: a searched zb-h1 next to its 1F1B layout, left out silently where it cannot
+  // run or gains nothing.
+  const auto consider = [&](const Layout& l, bool example, bool optional) {
     const std::string err = layout_error(r.model, l, n, r.global_batch);
     if (!err.empty()) {
-      if (result.invalid_examples.size() < 3 && example) result.invalid_examples.push_back(l.str() + ": " + err);
+      if (result.invalid_examples.size() < 3 && example && !optional)
+        result.invalid_examples.push_back(l.str() + ": " + err);
       return;
     }
+    if (optional && !without_gain(l, pipeline_costs(r.model, l, c, r.calibration, cost_options(r))).empty()) return;
     ++result.considered;
     // Screen before simulating: the exact static bytes plus the 1F1B in-flight
-    // activations are a lower bound (interleaving only adds to them).
+    // activations are a lower bound (interleaving and zb-h1 only add to them).
     double per_layer = activation_bytes_per_layer(r.model, l, mo.activations);
     if (moe && num_moe_layers(r.model) == r.model.num_layers)
       per_layer = moe_activation_bytes_per_layer(r.model, l, mo.activations);
@@ -189,13 +224,16 @@ PlanResult plan(const PlanRequest& r) {
               for (int64_t b : choices(r.micro_batch, mbs))
                 for (int zero : zeros)
                   for (Recompute rc : recomputes)
-                    for (bool sp : {false, true}) {
-                      if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
-                      // What the trainer refuses with experts is no example of what was fixed.
-                      if (moe && zero == 3 && !r.zero_stage) continue;
-                      // A searched CP > 1 that does not fit the model is no example of what was fixed.
-                      consider(Layout{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type, ep, etp}, cp == 1 || r.cp);
-                    }
+                    for (bool sp : {false, true})
+                      for (ScheduleKind kind : kinds) {
+                        if (r.sequence_parallel ? sp != *r.sequence_parallel : (sp && tp == 1)) continue;
+                        // What the trainer refuses with experts is no example of what was fixed.
+                        if (moe && zero == 3 && !r.zero_stage) continue;
+                        Layout l{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type, ep, etp};
+                        l.schedule = kind;
+                        // A searched CP > 1 that does not fit the model is no example of what was fixed.
+                        consider(l, cp == 1 || r.cp, !r.schedule && kind == ScheduleKind::kZeroBubbleH1);
+                      }
       }
   if (result.considered == 0) {
     std::string why;
@@ -218,7 +256,10 @@ PlanResult plan(const PlanRequest& r) {
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Candidate& a, const Candidate& b) {
     if (a.time.step != b.time.step) return a.time.step < b.time.step;
-    return a.memory.total() < b.memory.total();
+    if (a.memory.total() != b.memory.total()) return a.memory.total() < b.memory.total();
+    // The same time and memory: the schedule without split backward passes.
+    const auto zb = [](const Candidate& x) { return schedule_of(x.layout) == ScheduleKind::kZeroBubbleH1; };
+    return !zb(a) && zb(b);
   });
   return result;
 }
@@ -246,6 +287,45 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     std::snprintf(buf, sizeof buf, "%s %s +%.3f s", i == 0 ? ":" : ",", grew[i].first, grew[i].second);
     os << buf;
   }
+  return os.str();
+}
+
+
+std::vector<ScheduleChoice> schedule_choices(const PlanRequest& r, const Layout& chosen) {
+  std::vector<ScheduleChoice> out;
+  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1}) {
+    ScheduleChoice c;
+    c.kind = kind;
+    c.layout = chosen;
+    c.layout.schedule = kind;
+    c.layout.vpp = kind == ScheduleKind::kInterleaved ? std::max<int64_t>(chosen.vpp, 2) : 1;
+    c.error = layout_error(r.model, c.layout, r.cluster.gpus(), r.global_batch);
+    if (c.error.empty()) {
+      c.costs = pipeline_costs(r.model, c.layout, r.cluster, r.calibration, cost_options(r));
+      // What the search left out; a layout the user fixed there is evaluated all the same.
+      if (kind != schedule_of(chosen)) c.error = without_gain(c.layout, c.costs);
+    }
+    if (c.error.empty()) c.candidate = evaluate(r, c.layout);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::string gpt_pretrain_flags(const PlanRequest& r, const Layout& l) {
+  std::ostringstream os;
+  os << "--tensor-model-parallel-size " << l.tp << " --pipeline-model-parallel-size " << l.pp;
+  if (l.cp > 1) os << " --context-parallel-size " << l.cp << " --cp-comm-type " << to_string(l.cp_comm);
+  if (l.ep > 1) os << " --expert-model-parallel-size " << l.ep;
+  if (l.etp > 1) os << " --expert-tensor-parallel-size " << l.etp;
+  // gpt_pretrain takes virtual stages as layers per virtual stage, and runs them interleaved.
+  if (l.vpp > 1) os << " --num-layers-per-virtual-pipeline-stage " << r.model.num_layers / (l.pp * l.vpp);
+  os << " --micro-batch-size " << l.micro_batch << " --global-batch-size " << r.global_batch << " --zero-stage "
+     << l.zero_stage;
+  if (l.recompute != Recompute::kNone) os << " --recompute-granularity " << transformer::to_string(l.recompute);
+  if (l.sequence_parallel) os << " --sequence-parallel";
+  if (!schedule_implied(l)) os << " --schedule " << pipeline::schedule_kind_name(schedule_of(l));
+  if (r.precision == Precision::kBf16) os << " --bf16";
+  if (r.precision == Precision::kFp16) os << " --fp16";
   return os.str();
 }
 

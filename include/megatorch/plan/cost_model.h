@@ -2,7 +2,7 @@
 // Step time of a layout: compute from the FLOPs at a calibrated GEMM efficiency plus a
 // memory-bound share, TP/SP and DP/ZeRO communication from their exact volumes over the
 // link bandwidths, and the pipeline (bubble included) from the schedule simulator run with
-// the layout's per-chunk forward and backward times.
+// the layout's per-chunk forward and backward times (zb-h1: the backward's B and W).
 #include <cstdint>
 #include <string>
 
@@ -118,7 +118,18 @@ MoeTraffic moe_traffic_per_layer(const ModelSpec& model, const Layout& layout, c
 // The per-chunk costs handed to the simulator and the simulation itself.
 struct PipelineCosts {
   double chunk_forward = 0, chunk_backward = 0;  // seconds, slowest stage, incl. TP comm and p2p
+  // Of chunk_backward, what a split backward (zb-h1) defers as W: the weight-gradient GEMMs,
+  // the FLOPs of the chunk's forward linear layers (the output head's included) at their GEMM
+  // rate. The rest is B: the input-gradient GEMMs, attention's score and context products,
+  // elementwise work, recompute and communication. 0 with full recompute, whose replay
+  // computes the layers' weight gradients inside B (the head's, on the last stage alone,
+  // left there too).
+  double chunk_backward_weight = 0;
   double tick = 0;                               // seconds per simulator tick
+  // B and W in ticks, B + W = options.backward_cost (the whole backward, as 1F1B runs it).
+  int64_t backward_input_ticks = 0, backward_weight_ticks = 0;
+  // Forward and backward ticks; backward_input_cost and backward_weight_cost are the ticks
+  // above, except that a W of 0 ticks runs as 1 taken from B (the simulator's least cost).
   pipeline::SimulatorOptions options;
 };
 PipelineCosts pipeline_costs(const ModelSpec& model, const Layout& layout, const Cluster& cluster,

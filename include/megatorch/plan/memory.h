@@ -102,7 +102,9 @@ struct MemoryOptions {
 
 // The fuller of the first and the last pipeline stage (with experts: the fullest stage, as
 // MoE layers need not be spread evenly). The in-flight count comes from
-// simulate_schedule (1F1B or interleaved): its peak_inflight of the stage, in chunks.
+// simulate_schedule (schedule_of(layout): 1F1B, interleaved or zb-h1, whose stages all hold
+// min(p, m) as each micro-batch's activations wait for its W): its peak_inflight of the
+// stage, in chunks.
 MemoryBreakdown predict_memory(const ModelSpec& model, const Layout& layout, int64_t global_batch,
                                const MemoryOptions& options = {});
 // The same with the in-flight counts of a simulation already run for this layout (any costs:

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "megatorch/pipeline/schedule.h"
 #include "megatorch/transformer/config.h"
 
 namespace megatorch::plan {
@@ -100,6 +101,10 @@ struct Layout {
   // over etp ranks as a TP MLP (fc1 by columns, fc2 by rows; 1: every expert whole).
   int64_t ep = 1;
   int64_t etp = 1;
+  // The pipeline schedule: 1F1B, or ZB-H1 (each backward split into B, the input gradient,
+  // and W, the weight gradients, W's deferred into the bubbles); interleaved 1F1B whenever
+  // vpp > 1. Read it through schedule_of, which applies that rule.
+  pipeline::ScheduleKind schedule = pipeline::ScheduleKind::kOneFOneB;
 
   int64_t gpus() const { return tp * cp * pp * dp; }
   // The ranks holding the same expert shards: expert gradients are reduced and ZeRO shards
@@ -113,14 +118,27 @@ struct Layout {
   // "TP=8 PP=8 DP=24 VP=2 ZeRO-1 mb=1 recompute=full SP"; with CP after TP, as in the rank
   // order: "TP=2 CP=4(p2p) PP=2 DP=1 ...", EP after DP: "... DP=4 EP=8 ZeRO-1 ...", and ETP
   // after EP: "... EP=4 ETP=2 ZeRO-1 ...". cp, ep and etp = 1 print as before they existed.
+  // A schedule other than the one vpp implies is appended: "... recompute=none sched=zb-h1".
   std::string str() const;
 };
+
+// The schedule a layout runs: interleaved when vpp > 1 and the schedule is left at 1F1B,
+// else layout.schedule. The planner, the cost model and the memory model all ask this.
+pipeline::ScheduleKind schedule_of(const Layout& layout);
+// Whether that is the schedule vpp alone implies (1F1B, or interleaved at vpp > 1): only
+// another one is named (Layout::str's "sched=", gpt_pretrain's --schedule).
+bool schedule_implied(const Layout& layout);
+// What a schedule needs ("" when it holds): 1f1b VP = 1; interleaved VP > 1; zb-h1 PP > 1,
+// VP = 1 and ZeRO 0-2 (TrainingLoop refuses ZeRO-3 with a split backward); gpipe is not
+// planned (it holds every micro-batch in flight for 1F1B's bubble). layout_error asks it of
+// schedule_of(layout); the planner of a fixed --schedule against the fixed knobs.
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage);
 
 // Checks the layout against the model, the GPU count and the global batch; fails naming the
 // constraint (e.g. TP*PP*DP != GPUs, heads not divisible by TP, batch not divisible by mb*DP,
 // the sequence not divisible by 2*CP, a2a's heads per TP rank not divisible by CP; with
 // experts: EP not dividing TP*CP*DP or the experts, EP*ETP not dividing TP*CP*DP, ETP not
-// dividing the expert FFN size, ZeRO-3; EP or ETP > 1 for a dense model).
+// dividing the expert FFN size, ZeRO-3; EP or ETP > 1 for a dense model; schedule_error).
 void validate_layout(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);
 // The same checks, returning the first failure's message instead of throwing ("" when valid).
 std::string layout_error(const ModelSpec& model, const Layout& layout, int64_t num_gpus, int64_t global_batch);

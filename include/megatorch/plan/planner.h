@@ -1,8 +1,8 @@
 #pragma once
 // The planner: enumerates the layouts of a model on a cluster (TP <= GPUs per node, CP, PP,
-// DP, EP and ETP for a mixture of experts, virtual stages, ZeRO stage, micro-batch, recompute, SP),
-// predicts each one's memory and step time, rejects those that do not fit and ranks the
-// rest. Any knob can be fixed.
+// DP, EP and ETP for a mixture of experts, virtual stages, ZeRO stage, micro-batch, recompute, SP,
+// and the pipeline schedule), predicts each one's memory and step time, rejects those that do
+// not fit and ranks the rest. Any knob can be fixed.
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -42,6 +42,11 @@ struct PlanRequest {
   std::optional<int> zero_stage;
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;
+  // The pipeline schedule (1f1b, interleaved or zb-h1). Unset: interleaved at VP > 1, and at
+  // VP 1 both 1F1B and zb-h1 wherever zb-h1 is valid (schedule_error) and has W to defer
+  // (not under full recompute, whose W is empty: 1F1B's time with more in flight).
+  // Fixed: only layouts that run it (VP > 1 for interleaved, VP 1 otherwise).
+  std::optional<pipeline::ScheduleKind> schedule;
   int64_t max_micro_batch = 8;
   int64_t max_vpp = 8;
 };
@@ -53,7 +58,8 @@ struct Candidate {
 };
 
 struct PlanResult {
-  std::vector<Candidate> ranked;  // layouts that fit, fastest first (less memory breaks ties)
+  // Layouts that fit, fastest first; less memory breaks ties, then 1F1B before zb-h1.
+  std::vector<Candidate> ranked;
   int64_t considered = 0;         // valid layouts looked at
   int64_t too_big = 0;            // valid layouts that do not fit in GPU memory
   std::vector<std::string> invalid_examples;  // why some requested combinations were invalid
@@ -69,6 +75,25 @@ PlanResult plan(const PlanRequest& request);
 
 // One line on why `c` ranks below `best`: its step time difference, by the kinds that grew.
 std::string why_lost(const Candidate& c, const Candidate& best);
+
+// A layout under one of the schedules the planner models, for --explain: why it is left out
+// ("" when it is not: layout_error, or zb-h1 with no W to defer), its ticks, and its memory
+// and time (when not left out).
+struct ScheduleChoice {
+  pipeline::ScheduleKind kind = pipeline::ScheduleKind::kOneFOneB;
+  Layout layout;
+  std::string error;
+  PipelineCosts costs;
+  Candidate candidate;
+};
+// `chosen` at its PP and micro-batches under 1f1b, interleaved (at chosen's VP, or 2) and
+// zb-h1, in that order.
+std::vector<ScheduleChoice> schedule_choices(const PlanRequest& request, const Layout& chosen);
+
+// The flags gpt_pretrain takes for `layout` (besides the model's and the data's): the
+// parallel sizes, batch sizes, ZeRO stage, recompute, SP, and --schedule when vpp does not
+// imply it ("... --schedule zb-h1"). DP is what the launch's world size leaves.
+std::string gpt_pretrain_flags(const PlanRequest& request, const Layout& layout);
 
 MemoryOptions memory_options(const PlanRequest& request);
 
