@@ -1,5 +1,5 @@
 // megatorch-plan: predicts per-GPU memory and step time of every TP/CP/PP/DP/EP/ETP/ZeRO/micro-batch/
-// recompute/SP layout of a model on a cluster, rejects those that do not fit and ranks the rest.
+// recompute/SP/schedule layout of a model on a cluster, rejects those that do not fit and ranks the rest.
 //
 //   megatorch-plan --model gpt3-175b --nodes 128 --global-batch-size 1536 [--json] [--explain]
 //   megatorch-plan --model llama3-8b --num-experts 8 --moe-router-topk 2 --nodes 8 ...  # experts
@@ -23,7 +23,7 @@ namespace {
 struct Args {
   std::string model, precision = "bf16", calibration, calibrate_out = "megatorch_calibration.json";
   bool bf16 = false, fp16 = false, swiglu = false, no_bias = false, untie = false, sp = false, no_sp = false;
-  std::string normalization = "LayerNorm", positions = "learned_absolute", recompute, cp_comm = "p2p";
+  std::string normalization = "LayerNorm", positions = "learned_absolute", recompute, cp_comm = "p2p", schedule;
   int64_t layers = 0, hidden = 0, heads = 0, groups = 0, ffn = 0, vocab = 0, seq = 0, divisible_by = 128;
   int64_t tp = 0, cp = 0, pp = 0, dp = 0, vpp = 0, mb = 0, top = 5;
   int zero = -1;
@@ -43,7 +43,8 @@ json layout_json(const mp::Layout& l) {
   return {{"tensor_model_parallel_size", l.tp}, {"pipeline_model_parallel_size", l.pp}, {"data_parallel_size", l.dp},
           {"virtual_pipeline_model_parallel_size", l.vpp}, {"zero_stage", l.zero_stage}, {"micro_batch_size", l.micro_batch},
           {"recompute_granularity", megatorch::transformer::to_string(l.recompute)}, {"sequence_parallel", l.sequence_parallel},
-          {"context_parallel_size", l.cp}, {"cp_comm_type", mp::to_string(l.cp_comm)}};
+          {"context_parallel_size", l.cp}, {"cp_comm_type", mp::to_string(l.cp_comm)},
+          {"schedule", megatorch::pipeline::schedule_kind_name(mp::schedule_of(l))}};
 }
 
 json memory_json(const mp::MemoryBreakdown& m) {
@@ -268,6 +269,38 @@ void print_cp_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   std::printf("\n");
 }
 
+// The chosen layout's PP and micro-batches under each schedule: the simulated bubble from the
+// F, B and W ticks, so the choice can be seen; and the flags that run it.
+void print_schedule_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
+  const mp::Layout& l = c.layout;
+  if (l.pp == 1) {
+    std::printf("pipeline schedule: none at PP=1 (one stage, no bubble)\ngpt_pretrain flags: %s\n",
+                mp::gpt_pretrain_flags(r, l).c_str());
+    return;
+  }
+  std::printf("pipeline schedules at PP=%lld, %lld micro-batches (ticks per chunk: F forward, B input gradient, W "
+              "weight gradients; 1f1b and interleaved run B+W together):\n",
+              static_cast<long long>(l.pp), static_cast<long long>(l.num_microbatches(r.global_batch)));
+  for (const mp::ScheduleChoice& s : mp::schedule_choices(r, l)) {
+    const char* name = megatorch::pipeline::schedule_kind_name(s.kind);
+    const std::string vp = s.kind == megatorch::pipeline::ScheduleKind::kInterleaved
+                               ? " VP=" + std::to_string(s.layout.vpp) : "";
+    if (!s.error.empty()) {
+      std::printf("  %-12s%s not planned: %s\n", name, vp.c_str(), s.error.c_str());
+      continue;
+    }
+    const auto& o = s.costs.options;
+    const mp::Candidate& k = s.candidate;
+    std::printf("  %-12s%s bubble %.4f  F %lld B %lld W %lld  step %.3f s  %.2f GB%s%s\n", name, vp.c_str(),
+                k.time.bubble_fraction, static_cast<long long>(o.forward_cost),
+                static_cast<long long>(s.costs.backward_input_ticks),
+                static_cast<long long>(s.costs.backward_weight_ticks), k.time.step, gb(k.memory.total()),
+                k.memory.total() > r.cluster.memory_bytes() ? " (does not fit)" : "",
+                s.kind == mp::schedule_of(l) ? "  <- chosen" : "");
+  }
+  std::printf("gpt_pretrain flags: %s\n", mp::gpt_pretrain_flags(r, l).c_str());
+}
+
 void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   const auto& m = c.memory;
   const auto& t = c.time;
@@ -304,6 +337,7 @@ void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   }
   if (c.layout.cp > 1) print_cp_explain(r, c);
   if (r.model.is_moe()) print_moe_explain(r, c);
+  print_schedule_explain(r, c);
 }
 
 int run_plan(const Args& a, mp::PlanRequest r) {
@@ -420,6 +454,8 @@ int main(int argc, char** argv) {
   app.add_option("--pipeline-model-parallel-size", a.pp);
   app.add_option("--data-parallel-size", a.dp);
   app.add_option("--virtual-pipeline-model-parallel-size", a.vpp);
+  app.add_option("--schedule", a.schedule,
+                 "pipeline schedule: 1f1b, interleaved (VP > 1) or zb-h1 (default: searched, zb-h1 next to 1f1b)");
   app.add_option("--zero-stage", a.zero, "0, 1, 2 or 3");
   app.add_option("--micro-batch-size", a.mb);
   app.add_option("--recompute-granularity", a.recompute, "none, selective or full");
@@ -457,7 +493,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--top", a.top, "layouts to list")->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON object");
-  app.add_flag("--explain", a.explain, "print the full memory and time breakdown of the best layout");
+  app.add_flag("--explain", a.explain,
+               "print the full memory and time breakdown of the best layout, its bubble under each schedule and "
+               "gpt_pretrain's flags for it");
   app.add_option("--calibration", a.calibration, "calibration JSON written by --calibrate");
   auto* cal = app.add_option("--calibrate", a.calibrate_out, "time this machine and write the calibration JSON")
                   ->expected(0, 1);
@@ -511,6 +549,7 @@ int main(int argc, char** argv) {
     if (a.pp) r.pp = a.pp;
     if (a.dp) r.dp = a.dp;
     if (a.vpp) r.vpp = a.vpp;
+    if (!a.schedule.empty()) r.schedule = megatorch::pipeline::parse_schedule_kind(a.schedule);
     if (a.mb) r.micro_batch = a.mb;
     if (a.zero >= 0) r.zero_stage = a.zero;
     if (!a.recompute.empty()) r.recompute = megatorch::transformer::parse_recompute(a.recompute);

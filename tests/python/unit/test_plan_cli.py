@@ -1,5 +1,5 @@
-"""build/bin/megatorch-plan: flags, --json, --explain, errors, calibration round trip, context
-parallelism, mixture of experts, and its activation memory against what the real megatorch
+"""build/bin/megatorch-plan: flags, --json, --explain, errors, calibration round trip, pipeline
+schedules, context parallelism, mixture of experts, and its activation memory against what the real megatorch
 layer (dense and MoE, MoE also at expert tensor parallelism 2 under torchrun) saves
 (scripts/activation_memory.py)."""
 import json
@@ -51,7 +51,7 @@ def test_fixed_knobs_are_honoured():
         assert t["layout"] == {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 8,
                                "data_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "zero_stage": 1,
                                "micro_batch_size": 1, "recompute_granularity": "selective", "sequence_parallel": True,
-                               "context_parallel_size": 1, "cp_comm_type": "p2p"}
+                               "context_parallel_size": 1, "cp_comm_type": "p2p", "schedule": "interleaved"}
     assert len(report["top"]) == 1
     time = report["top"][0]["time"]
     assert time["bubble_fraction"] > 0  # from the simulator: p = 8, m = 256, v = 2
@@ -102,6 +102,76 @@ def test_calibration_round_trip_changes_predictions(tmp_path):
     bad.write_text('{"matmul_efficiency": 0.5}')
     out = run(*args, "--calibration", str(bad))
     assert out.returncode != 0 and "matmul_half_width" in out.stderr
+
+
+# ---- pipeline schedules
+
+PP_ARGS = ["--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "32", "--tensor-model-parallel-size", "2",
+           "--pipeline-model-parallel-size", "4", "--context-parallel-size", "1", "--micro-batch-size", "1",
+           "--zero-stage", "1", "--recompute-granularity", "selective", "--sequence-parallel"]
+
+
+def test_schedule_is_searched_and_in_the_json():
+    report = plan_json(*PP_ARGS, "--top", "10")
+    schedules = [t["layout"]["schedule"] for t in report["top"]]
+    # VP 1 under 1f1b and zb-h1, VP 2 and 4 interleaved; zb-h1 fills 1f1b's bubble with W.
+    assert set(schedules) == {"1f1b", "interleaved", "zb-h1"}
+    for t in report["top"]:
+        lay = t["layout"]
+        assert (lay["schedule"] == "interleaved") == (lay["virtual_pipeline_model_parallel_size"] > 1)
+    best = {}
+    for t in report["top"]:
+        best.setdefault(t["layout"]["schedule"], t["time"])
+    assert best["zb-h1"]["step_s"] < best["1f1b"]["step_s"]
+    assert best["zb-h1"]["bubble_fraction"] < best["1f1b"]["bubble_fraction"]
+    fixed = plan_json(*PP_ARGS, "--schedule", "zero_bubble_h1")  # an alias of zb-h1
+    assert {t["layout"]["schedule"] for t in fixed["top"]} == {"zb-h1"}
+    assert fixed["top"][0]["time"] == best["zb-h1"]
+
+
+def test_explain_lists_each_schedules_bubble():
+    out = run(*PP_ARGS, "--virtual-pipeline-model-parallel-size", "1", "--explain")
+    assert out.returncode == 0, out.stderr
+    assert "TP=2 PP=4 DP=1 ZeRO-1 mb=1 recompute=selective SP sched=zb-h1" in out.stdout
+    assert "pipeline schedules at PP=4, 32 micro-batches" in out.stdout
+    rows = {}
+    for line in out.stdout.splitlines():
+        words = line.split()
+        if words and words[0] in ("1f1b", "interleaved", "zb-h1") and "bubble" in words:
+            at = words.index("bubble")
+            ticks = {words[i]: int(words[i + 1]) for i in range(at + 2, at + 8, 2)}
+            rows[words[0]] = (float(words[at + 1]), ticks, line.endswith("<- chosen"))
+    assert set(rows) == {"1f1b", "interleaved", "zb-h1"}
+    p, m = 4, 32
+    assert rows["1f1b"][0] == pytest.approx((p - 1) / m, abs=5e-5)
+    assert rows["interleaved"][0] == pytest.approx((p - 1) / (2 * m), abs=5e-5)
+    t = rows["zb-h1"][1]
+    assert 0 < t["W"] <= min(t["F"], t["B"])
+    assert rows["zb-h1"][0] == pytest.approx((p - 1) * (t["F"] + t["B"] - t["W"]) / (m * (t["F"] + t["B"] + t["W"])),
+                                              abs=5e-5)
+    assert rows["zb-h1"][2] and not rows["1f1b"][2]
+    assert ("gpt_pretrain flags: --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --micro-batch-size 1 "
+            "--global-batch-size 32 --zero-stage 1 --recompute-granularity selective --sequence-parallel "
+            "--schedule zb-h1 --bf16") in out.stdout
+
+
+def test_full_recompute_keeps_1f1b():
+    args = [a if a != "selective" else "full" for a in PP_ARGS]
+    report = plan_json(*args, "--virtual-pipeline-model-parallel-size", "1")
+    assert {t["layout"]["schedule"] for t in report["top"]} == {"1f1b"}
+    out = run(*args, "--virtual-pipeline-model-parallel-size", "1", "--explain")
+    assert "zb-h1        not planned: no weight gradients to defer (W = 0 ticks" in out.stdout
+
+
+def test_schedule_conflicts_are_named():
+    out = run("--model", "llama3-8b", "--nodes", "1", "--schedule", "zb-h1", "--zero-stage", "3")
+    assert out.returncode != 0
+    assert "--schedule zb-h1 does not run with the fixed settings" in out.stderr
+    assert "expected ZeRO stage 0, 1 or 2, got ZeRO-3; use --zero-stage 1 or 2, or --schedule 1f1b" in out.stderr
+    out = run(*PP_ARGS, "--schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2")
+    assert out.returncode != 0 and "runs one model chunk per stage: expected VP=1, got VP=2" in out.stderr
+    out = run(*PP_ARGS, "--schedule", "ring")
+    assert out.returncode != 0 and "gpipe, 1f1b, interleaved or zb-h1, got 'ring'" in out.stderr
 
 
 # ---- context parallelism
