@@ -58,7 +58,8 @@ json memory_json(const mp::MemoryBreakdown& m) {
 json time_json(const mp::TimeBreakdown& t) {
   return {{"compute_s", t.compute}, {"recompute_s", t.recompute}, {"tp_comm_s", t.tp_comm}, {"cp_comm_s", t.cp_comm}, {"p2p_s", t.p2p},
           {"bubble_s", t.bubble}, {"dp_comm_s", t.dp_comm}, {"pipeline_s", t.pipeline}, {"step_s", t.step},
-          {"bubble_fraction", t.bubble_fraction}, {"peak_inflight_chunks", t.peak_inflight_chunks},
+          {"bubble_fraction", t.bubble_fraction}, {"simulated_bubble_fraction", t.simulated_bubble_fraction},
+          {"peak_inflight_chunks", t.peak_inflight_chunks},
           {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}};
 }
 
@@ -269,8 +270,9 @@ void print_cp_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   std::printf("\n");
 }
 
-// The chosen layout's PP and micro-batches under each schedule: the simulated bubble from the
-// F, B and W ticks, so the choice can be seen; and the flags that run it.
+// The chosen layout's PP and micro-batches under each schedule: the bubble from the F, B and
+// W ticks (zb-h1's as the executor's NCCL batches allow, next to the simulator's), so the
+// choice can be seen; and the flags that run it.
 void print_schedule_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   const mp::Layout& l = c.layout;
   if (l.pp == 1) {
@@ -291,8 +293,12 @@ void print_schedule_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
     }
     const auto& o = s.costs.options;
     const mp::Candidate& k = s.candidate;
-    std::printf("  %-12s%s bubble %.4f  F %lld B %lld W %lld  step %.3f s  %.2f GB%s%s\n", name, vp.c_str(),
-                k.time.bubble_fraction, static_cast<long long>(o.forward_cost),
+    // Where NCCL's rendezvous costs the schedule its simulated gain, both figures.
+    char sim[64] = "";
+    if (k.time.simulated_bubble_fraction != k.time.bubble_fraction)
+      std::snprintf(sim, sizeof sim, " (simulated %.4f)", k.time.simulated_bubble_fraction);
+    std::printf("  %-12s%s bubble %.4f%s  F %lld B %lld W %lld  step %.3f s  %.2f GB%s%s\n", name, vp.c_str(),
+                k.time.bubble_fraction, sim, static_cast<long long>(o.forward_cost),
                 static_cast<long long>(s.costs.backward_input_ticks),
                 static_cast<long long>(s.costs.backward_weight_ticks), k.time.step, gb(k.memory.total()),
                 k.memory.total() > r.cluster.memory_bytes() ? " (does not fit)" : "",
@@ -325,8 +331,12 @@ void print_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
     std::printf("  EP comm           %9.3f s  (token dispatch and combine, and ETP's all-gathers and reduce-scatters "
                 "%.3f s, not overlapped)\n",
                 t.ep_comm, t.etp_comm);
-  std::printf("  pipeline p2p      %9.3f s\n  pipeline bubble   %9.3f s  (simulated: %.4f of busy time)\n", t.p2p, t.bubble,
+  std::printf("  pipeline p2p      %9.3f s\n  pipeline bubble   %9.3f s  (%.4f of busy time", t.p2p, t.bubble,
               t.bubble_fraction);
+  if (t.simulated_bubble_fraction != t.bubble_fraction) {
+    std::printf(" under NCCL's rendezvous; simulated %.4f", t.simulated_bubble_fraction);
+  }
+  std::printf(")\n");
   if (r.model.is_moe()) {
     std::printf("  DP/ZeRO comm      %9.3f s  (dense gradients over DP x CP, experts' %.3f s over expert-DP)\n"
                 "calibration: %s\n",

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
+#include <tuple>
 
 #include "megatorch/check.h"
+#include "megatorch/pipeline/nccl_order_model.h"
 
 namespace megatorch::plan {
 
@@ -315,6 +318,22 @@ PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster&
   return pc;
 }
 
+namespace {
+
+// zb-h1's bubble under the executor's NCCL batches (nccl_order_model.h), memoised: a
+// search asks for the same pipeline and ticks for many layouts.
+double nccl_bubble_fraction(int64_t p, int64_t m, const pipeline::SimulatorOptions& o) {
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+  thread_local std::map<Key, double> memo;
+  const Key key{p, m, o.forward_cost, o.backward_input_cost, o.backward_weight_cost};
+  if (auto it = memo.find(key); it != memo.end()) return it->second;
+  const double b =
+      pipeline::verify_schedule_nccl_order(pipeline::ScheduleKind::kZeroBubbleH1, p, m, 1, o).bubble_fraction.value();
+  return memo.emplace(key, b).first->second;
+}
+
+}  // namespace
+
 TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_batch, const Cluster& c,
                            const Calibration& k, const CostOptions& o) {
   const PipelineCosts pc = pipeline_costs(m, l, c, k, o);
@@ -340,7 +359,10 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   // The simulator ran the slowest stage's costs on every stage, in ticks; its bubble (idle /
   // busy) turns the busy seconds into the makespan.
   const pipeline::RankReport& first = sim.ranks.front();
-  t.bubble_fraction = first.bubble.value();
+  t.simulated_bubble_fraction = first.bubble.value();
+  t.bubble_fraction = schedule_of(l) == pipeline::ScheduleKind::kZeroBubbleH1
+                          ? nccl_bubble_fraction(l.pp, l.num_microbatches(global_batch), pc.options)
+                          : t.simulated_bubble_fraction;
   const double busy = mb * l.vpp * (pc.chunk_forward + pc.chunk_backward);
   t.bubble = busy * t.bubble_fraction;
   t.pipeline = busy + t.bubble;

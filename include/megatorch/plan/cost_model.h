@@ -63,7 +63,11 @@ struct TimeBreakdown {
   double expert_dp_comm = 0;  // of which the experts' gradients over expert-DP
   double pipeline = 0;     // simulated makespan: compute + tp_comm + cp_comm + ep_comm + p2p + bubble
   double step = 0;         // pipeline + dp_comm
-  double bubble_fraction = 0;  // simulator: idle / busy of the slowest stage
+  // Idle / busy of the slowest stage, as the executor runs on NCCL: the simulator's, except
+  // for zb-h1, whose B sends the executor's p2p batches hold until the receiver reaches
+  // them (the NCCL order model's bubble; docs/pipeline.md "Under NCCL").
+  double bubble_fraction = 0;
+  double simulated_bubble_fraction = 0;  // the simulator's (sends never wait)
   int64_t peak_inflight_chunks = 0;  // first stage, from the same simulation
   double tflops_per_gpu = 0;  // flops_per_iteration(recompute as run) / step / GPUs
   double mfu = 0;             // without recompute FLOPs, of peak
