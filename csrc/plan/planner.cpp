@@ -290,7 +290,6 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
   return os.str();
 }
 
-
 std::vector<ScheduleChoice> schedule_choices(const PlanRequest& r, const Layout& chosen) {
   std::vector<ScheduleChoice> out;
   for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1}) {
