@@ -83,11 +83,12 @@ at::Tensor expert_of_rows(const std::vector<int64_t>& counts, int64_t rows, cons
 
 }  // namespace
 
-at::Tensor GroupedExpertsImpl::compute(const at::Tensor& rows, const std::vector<int64_t>& counts) {
+at::Tensor GroupedExpertsImpl::compute(const at::Tensor& rows, const std::vector<int64_t>& counts,
+                                       const at::Tensor& row_experts) {
   const auto& c = options.config();
   const bool grouped = c.moe_grouped_gemm();
   at::Tensor h = kernels::grouped_gemm(rows, fc1_weight, counts, grouped);
-  if (fc1_bias.defined()) h = h + fc1_bias.index_select(0, expert_of_rows(counts, rows.size(0), rows.device()));
+  if (fc1_bias.defined()) h = h + fc1_bias.index_select(0, row_experts);
   if (c.activation() == Activation::kSwiGLU) {
     h = c.fused_kernels() ? kernels::swiglu(h) : transformer::swiglu(h);
   } else {
@@ -102,8 +103,12 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector
                   local, " row counts (one per local expert), got ", counts.size());
   at::Tensor out;
   at::Tensor bias = fc2_bias;
+  const bool biases = fc1_bias.defined() || fc2_bias.defined();
+  // Each own row's expert, for the biases: at ETP 1 fc1's and fc2's rows are the same and
+  // share it (one saved index).
+  const at::Tensor own_experts = biases ? expert_of_rows(counts, rows.size(0), rows.device()) : at::Tensor();
   if (etp.size == 1) {
-    out = compute(rows, counts);
+    out = compute(rows, counts, own_experts);
   } else {
     // Every ETP rank's rows for these experts, by rank, then by expert for the GEMMs;
     // each rank's columns give a partial output that the reduce-scatter sums per row.
@@ -116,12 +121,15 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector
     }
     const at::Tensor gathered = all_gather_rows(rows, group, per_rank);
     const ExpertRegroup g = regroup_by_expert(all, etp.size, local, rows.device());
-    const at::Tensor partial = compute(gathered.index_select(0, g.order), g.counts).index_select(0, g.inverse);
+    const at::Tensor gathered_experts =
+        fc1_bias.defined() ? expert_of_rows(g.counts, gathered.size(0), rows.device()) : at::Tensor();
+    const at::Tensor partial =
+        compute(gathered.index_select(0, g.order), g.counts, gathered_experts).index_select(0, g.inverse);
     out = reduce_scatter_rows(partial, group, per_rank);
     // Each rank adds the bias to its own rows: its gradient sums over the ETP group.
     if (bias.defined()) bias = comm::copy_to_tp_region(bias, group);
   }
-  if (bias.defined()) out = out + bias.index_select(0, expert_of_rows(counts, rows.size(0), rows.device()));
+  if (bias.defined()) out = out + bias.index_select(0, own_experts);
   return out;
 }
 

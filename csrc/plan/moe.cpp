@@ -121,9 +121,10 @@ double moe_routed_activation_bytes(const ModelSpec& m, const Layout& l, double E
   // the ETP 1 bytes).
   const double act = (m.swiglu ? 3.0 : 2.0) * f;
   bytes += d.etp_rows * h * E + d.expert_rows * act * E;
-  // With biases each row's expert (int64) for fc1's bias on the rows the experts process,
-  // and again for fc2's, added to the rank's own R rows (after the reduce-scatter under ETP).
-  if (m.add_bias_linear) bytes += 8 * (d.etp_rows + d.expert_rows);
+  // With biases each row's expert (int64) for fc2's bias, added to the rank's own R rows
+  // (after the reduce-scatter under ETP); fc1's shares it at ETP 1 and has its own for the
+  // gathered rows at ETP > 1.
+  if (m.add_bias_linear) bytes += 8 * (l.etp > 1 ? d.etp_rows + d.expert_rows : d.expert_rows);
   // At ETP > 1 the gathered rows come by ETP rank: an int64 order groups them by expert and
   // its inverse returns the partial outputs by rank.
   if (l.etp > 1) bytes += 16 * d.etp_rows;

@@ -195,10 +195,10 @@ TEST_CASE("ETP activations: the gathered input etp-fold, fc1 and the activation 
       Layout e = l;
       e.etp = etp;
       // Input [etp R, h] (etp - 1 more copies of R rows); fc1's and GeLU's outputs
-      // [etp R, F/etp]: the same bytes; fc1's bias index on etp R rows (fc2's on R as at
-      // ETP 1); the gathered rows' order and inverse (2 int64 per gathered row).
+      // [etp R, F/etp]: the same bytes; fc1's bias index on etp R rows (fc2's on R, shared
+      // by both at ETP 1); the gathered rows' order and inverse (2 int64 per gathered row).
       CHECK(moe_activation_bytes_per_layer(m, e, cpu) - base ==
-            (etp - 1) * R * h * 4 + 8 * (etp - 1) * R + 16 * etp * R);
+            (etp - 1) * R * h * 4 + 8 * etp * R + 16 * etp * R);
     }
   }
   // SwiGLU without biases: the input and the regrouping only.

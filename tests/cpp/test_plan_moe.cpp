@@ -262,29 +262,29 @@ TEST_CASE("MoE activations: the routed rows on the busiest rank, to the byte of 
           "[plan][moe]") {
   // The layer tests/python/unit/test_plan_cli.py measures: (s, b, h, a) = (64, 2, 32, 4), 4
   // experts of F = 96, top-2, GeLU with biases, fp32 on CPU with 4-byte hidden-dropout masks,
-  // flash attention and the LayerNorm statistics: 479264 bytes without recompute.
+  // flash attention and the LayerNorm statistics: 477216 bytes without recompute.
   ModelSpec m = plan_test::small_moe_layer();
   const ActivationOptions cpu = plan_test::cpu_fp32_activations();
   Layout l = layout(1, 1, 1, 1);
   l.micro_batch = 2;
-  CHECK(moe_activation_bytes_per_layer(m, l, cpu) == 479264);
+  CHECK(moe_activation_bytes_per_layer(m, l, cpu) == 477216);
   l.recompute = Recompute::kSelective;
-  CHECK(moe_activation_bytes_per_layer(m, l, cpu) == 479264 - 4 * 4 * 64 * 2);  // the log-sum-exp
+  CHECK(moe_activation_bytes_per_layer(m, l, cpu) == 477216 - 4 * 4 * 64 * 2);  // the log-sum-exp
   l.recompute = Recompute::kFull;
   CHECK(moe_activation_bytes_per_layer(m, l, cpu) == activation_bytes_per_layer(m, l, cpu));  // the layer input
   // Against a dense layer: the MLP's inside term goes, the routed part comes.
   l.recompute = Recompute::kNone;
   const double T = 128, N = 256;
   CHECK(moe_activation_bytes_per_layer(m, l, cpu) - activation_bytes_per_layer(m, l, cpu) ==
-        -4 * 2 * 128 * T + 4 * T * 4 + 12 * T * 2 + N * (2 * 32 * 4 + 4 + 24) + N * (4 * (32 + 2 * 96) + 16) +
+        -4 * 2 * 128 * T + 4 * T * 4 + 12 * T * 2 + N * (2 * 32 * 4 + 4 + 24) + N * (4 * (32 + 2 * 96) + 8) +
             2 * 4 * 4);
   // At EP > 1 the busiest rank's experts take margin x the mean rows, and regroup them
-  // (fc1's and fc2's bias indices, the regrouping order and inverse).
+  // (the biases' shared index, the regrouping order and inverse).
   Layout ep = layout(1, 1, 2, 2);
   ep.micro_batch = 2;
   const double balanced = moe_activation_bytes_per_layer(m, ep, cpu);
   m.moe_imbalance_margin = 2;
-  CHECK(moe_activation_bytes_per_layer(m, ep, cpu) - balanced == N * (4 * (32 + 2 * 96) + 16 + 16));
+  CHECK(moe_activation_bytes_per_layer(m, ep, cpu) - balanced == N * (4 * (32 + 2 * 96) + 8 + 16));
   // Dense models have no MoE layer.
   m.num_experts = 0;
   CHECK(moe_activation_bytes_per_layer(m, l, cpu) == 0);

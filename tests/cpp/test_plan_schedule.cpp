@@ -25,6 +25,14 @@ PlanRequest small_request(int64_t global_batch = 64) {
   return r;
 }
 
+// A search with everything but the schedule fixed to pp4's layout.
+PlanRequest pp4_request(int64_t global_batch, Recompute recompute) {
+  PlanRequest r = small_request(global_batch);
+  r.tp = 1, r.pp = 4, r.cp = 1, r.vpp = 1, r.zero_stage = 1, r.micro_batch = 1;
+  r.recompute = recompute, r.sequence_parallel = false;
+  return r;
+}
+
 // TP1 PP4 DP2 ZeRO-1 mb=1: 6 layers a stage, 32 micro-batches of 64.
 Layout pp4(Recompute recompute, ScheduleKind schedule = ScheduleKind::kOneFOneB) {
   Layout l{1, 4, 2, 1, 1, 1, recompute, false};
@@ -139,9 +147,7 @@ TEST_CASE("zb-h1's simulated bubble is Qi et al.'s (p-1)(F+B-W) / (m(F+B+W)), it
 
 TEST_CASE("Without recompute at PP > 1 and m = p the planner picks zb-h1 over 1F1B", "[plan][schedule]") {
   // m = p = 4 micro-batches: no steady state, so NCCL's rendezvous leaves zb-h1 its gain.
-  PlanRequest r = small_request(8);
-  r.tp = 1, r.pp = 4, r.cp = 1, r.vpp = 1, r.zero_stage = 1, r.micro_batch = 1;
-  r.recompute = Recompute::kNone, r.sequence_parallel = false;
+  PlanRequest r = pp4_request(8, Recompute::kNone);
   const PlanResult res = plan::plan(r);
   // One layout (DP = 2), under both schedules, both fitting.
   CHECK(res.considered == 2);
@@ -160,9 +166,7 @@ TEST_CASE("Without recompute at PP > 1 and m = p the planner picks zb-h1 over 1F
 }
 
 TEST_CASE("With full recompute W is 0: zb-h1 is not proposed and 1F1B is kept", "[plan][schedule]") {
-  PlanRequest r = small_request();
-  r.tp = 1, r.pp = 4, r.cp = 1, r.vpp = 1, r.zero_stage = 1, r.micro_batch = 1;
-  r.recompute = Recompute::kFull, r.sequence_parallel = false;
+  PlanRequest r = pp4_request(64, Recompute::kFull);
   const PlanResult res = plan::plan(r);
   CHECK(res.considered == 1);
   REQUIRE(res.ranked.size() == 1);

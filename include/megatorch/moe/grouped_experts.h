@@ -51,8 +51,9 @@ class GroupedExpertsImpl : public torch::nn::Cloneable<GroupedExpertsImpl>, publ
   at::Tensor fc1_bias, fc2_bias;  // [E/ep, (2F or F)/etp] and [E/ep, h] with add_bias_linear
 
  private:
-  // fc1, the activation and fc2 (without its bias) on rows grouped by local expert.
-  at::Tensor compute(const at::Tensor& rows, const std::vector<int64_t>& counts);
+  // fc1, the activation and fc2 (without its bias) on rows grouped by local expert;
+  // `row_experts` is each row's expert, for fc1's bias (undefined without one).
+  at::Tensor compute(const at::Tensor& rows, const std::vector<int64_t>& counts, const at::Tensor& row_experts);
   tp::ShardSpec spec(const std::string& name) const;
 };
 TORCH_MODULE(GroupedExperts);

@@ -510,10 +510,11 @@ def test_moe_activation_memory_at_expert_tensor_parallel_2_equals_the_real_layer
                 assert m["fc1_weight"] == [4, h, 48 * (2 if swiglu else 1)] and m["fc2_weight"] == [4, 48, h]
                 assert m["bytes"] == planned[variant, setting], (rank, variant, setting, m["storages"])
         # Beyond ETP 1 (R = T k rows, 2 R gathered): the gathered input's other R rows, the gathered
-        # rows' int64 order and inverse, and with biases fc1's int64 expert index on the other R rows;
-        # fc1 and the activation keep as many bytes (2 R rows at half the width).
+        # rows' int64 order and inverse, and with biases fc1's own int64 expert index on the 2 R
+        # gathered rows (at ETP 1 fc1 shares fc2's); fc1 and the activation keep as many bytes
+        # (2 R rows at half the width).
         R = T * k
-        assert planned[variant, "none"] - at_etp1[variant] == R * h * E + 16 * 2 * R + (8 * R if bias else 0)
+        assert planned[variant, "none"] - at_etp1[variant] == R * h * E + 16 * 2 * R + (8 * 2 * R if bias else 0)
 
 
 def test_moe_activation_memory_bf16_keeps_the_routers_fp32_copies():
