@@ -82,14 +82,18 @@ std::vector<Node*> post_order(Node* root) {
   return order;
 }
 
-// Whether W should take a node's parameter gradients: a matrix product's weight GEMM (mm,
-// addmm, bmm, a linear layer's own autograd function) is the work worth moving into a
-// bubble. A norm's or a bias's gradient is a cheap reduction whose node W would have to
-// run a second time (its input gradient again, for a fused kernel): those stay in B.
+// Whether W should take a node's parameter gradients: a matrix product's weight GEMM
+// (torch's MmBackward, AddmmBackward, BmmBackward, GroupedMmBackward..., a linear layer's or
+// a GEMM's own autograd function) is the work worth moving into a bubble. A norm's or a
+// bias's gradient is a cheap reduction whose node W would have to run a second time (its
+// input gradient again, for a fused kernel): those stay in B.
 bool defers_weight_grad(const Node& n) {
   std::string name = n.name();
   std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
-  return name.find("mm") != std::string::npos || name.find("linear") != std::string::npos;
+  for (const char* gemm : {"mmbackward", "matmul", "linear", "gemm"}) {
+    if (name.find(gemm) != std::string::npos) return true;
+  }
+  return false;
 }
 
 // Where B and W part. `path`: the nodes B runs (those from which the input's gradient is
