@@ -29,11 +29,11 @@ void run_engine(const edge_list& roots, const variable_list& grads, bool keep_gr
 
 bool is_leaf(const Node* n) { return dynamic_cast<const torch::autograd::AccumulateGrad*>(n) != nullptr; }
 
-// Keeps the gradients a split node is given the first time it runs (in B).
+// Keeps the gradients a split node is given in B (it runs once there; the hook is gone after).
 struct CaptureGrads : torch::autograd::FunctionPreHook {
   explicit CaptureGrads(std::shared_ptr<variable_list> into) : into(std::move(into)) {}
   variable_list operator()(const variable_list& grads) override {
-    if (into->empty()) *into = grads;
+    *into = grads;
     return grads;
   }
   std::shared_ptr<variable_list> into;
@@ -104,6 +104,7 @@ bool defers_weight_grad(const Node& n) {
 // nodes' edges into the path leaves W exactly the split nodes and the parameter-side
 // graph below them.
 struct Cut {
+  std::unordered_set<Node*> on_path;  // the path and the input's AccumulateGrad
   std::vector<Node*> path;
   std::vector<Node*> split;
   edge_list eager;
@@ -111,7 +112,8 @@ struct Cut {
 
 Cut find_cut(Node* root, Node* input_leaf) {
   Cut cut;
-  std::unordered_set<Node*> on_path{input_leaf};
+  std::unordered_set<Node*>& on_path = cut.on_path;
+  on_path.insert(input_leaf);
   for (Node* n : post_order(root)) {
     if (n == input_leaf) continue;
     for (const Edge& e : n->next_edges()) {
@@ -207,7 +209,6 @@ WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, 
   }
   // W is one engine run from the split nodes, which no longer lead into the path; the
   // path's other saved activations are free now.
-  const std::unordered_set<Node*> path(cut.path.begin(), cut.path.end());
   const std::unordered_set<Node*> split(cut.split.begin(), cut.split.end());
   for (Node* n : cut.path) {
     if (!split.count(n)) n->release_variables();
@@ -215,7 +216,7 @@ WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, 
   for (size_t i = 0; i < cut.split.size(); ++i) {
     Node* n = cut.split[i];
     for (Edge& e : n->next_edges()) {
-      if (e.function && (path.count(e.function.get()) || e.function == input_edge.function)) e = Edge();
+      if (e.function && cut.on_path.count(e.function.get())) e = Edge();
     }
     const variable_list& grads = *captured[i];
     for (size_t j = 0; j < grads.size(); ++j) {

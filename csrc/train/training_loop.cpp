@@ -59,11 +59,12 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                   o.zero_stage());
   // Names the schedules when unknown. ZeRO-3 frees a unit's gathered parameters once its
   // gradients are in, which a split backward's W would find freed.
-  const auto kind = pipeline::parse_schedule_kind(o.schedule());
-  MEGATORCH_CHECK(!pipeline::splits_backward(kind) || o.zero_stage() < 3, "TrainingLoop: the ", o.schedule(),
+  schedule_kind_ = pipeline::parse_schedule_kind(o.schedule());
+  MEGATORCH_CHECK(!pipeline::splits_backward(schedule_kind_) || o.zero_stage() < 3, "TrainingLoop: the ", o.schedule(),
                   " schedule splits each backward into B and W, which ZeRO-3's per-unit parameter gathers do not "
                   "follow yet; got zero_stage 3. Use zero_stage 1 or 2 with it, or ZeRO-3 with 1f1b or interleaved");
-  MEGATORCH_CHECK(o.virtual_chunks() == 1 || o.schedule() == "interleaved", "TrainingLoop: virtual_chunks ",
+  MEGATORCH_CHECK(o.virtual_chunks() == 1 || schedule_kind_ == pipeline::ScheduleKind::kInterleaved,
+                  "TrainingLoop: virtual_chunks ",
                   o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
   auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())
                     .context_parallel_size(o.context_parallel())
@@ -289,7 +290,7 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
   const auto result = pipeline::run_pipeline_step(
       *stage_, mbs,
       pipeline::ExecutorOptions()
-          .schedule(pipeline::parse_schedule_kind(options_.schedule()))
+          .schedule(schedule_kind_)
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
           .before_backward([opts](bool last) {
             for (auto* opt : opts) opt->set_grad_sync(last);
@@ -434,7 +435,7 @@ double TrainingLoop::evaluate(const BatchSource& source, int64_t iters) {
   double total = 0;
   // The training schedule's forwards through the executor's p2p (Megatron's forward_only).
   const auto options =
-      pipeline::ExecutorOptions().schedule(pipeline::parse_schedule_kind(options_.schedule())).forward_only(true);
+      pipeline::ExecutorOptions().schedule(schedule_kind_).forward_only(true);
   for (int64_t i = 0; i < iters; ++i) {
     const auto mbs = source(i);
     if (mbs.empty()) {

@@ -65,7 +65,7 @@ struct TrainingLoopOptions {
   TORCH_ARG(int64_t, expert_parallel) = 1;
   TORCH_ARG(int64_t, expert_tensor_parallel) = 1;
   TORCH_ARG(int64_t, virtual_chunks) = 1;
-  TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved
+  TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1 (or an alias)
   TORCH_ARG(int64_t, zero_stage) = 0;
   TORCH_ARG(std::string, name) = "model";
   TORCH_ARG(std::string, device) = "auto";   // auto | cpu | cuda | cuda:N
@@ -204,6 +204,7 @@ class TrainingLoop {
   std::pair<int64_t, int64_t> moe_shape_{0, 0};  // (layers, experts) of the model; (0, 0): dense
   LRSchedule lr_;
   bool optimizer_sums_ties_ = false;
+  pipeline::ScheduleKind schedule_kind_ = pipeline::ScheduleKind::kOneFOneB;  // options' schedule, parsed once
   int64_t iteration_ = 0;
   int64_t lr_step_ = 0;  // iterations whose update was applied: the LR schedule's clock
   int64_t num_parameters_ = 0;
