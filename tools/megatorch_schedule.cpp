@@ -91,20 +91,22 @@ std::string cp_share_line(const Args& a) {
          (a.sequence_parallel ? "/t" : "") + ", b, h] per rank; the tick costs are per chunk as given (with c in them)";
 }
 
-// The published bubble, where it holds: ZB-H1's needs W <= F and W <= B.
+// The published bubble, where it holds (formula_bubble_fraction's conditions).
 std::optional<mp::Ratio> published_bubble(const Args& a, mp::ScheduleKind kind) {
   const auto& c = a.costs;
-  if (kind == mp::ScheduleKind::kZeroBubbleH1 &&
-      (c.backward_weight_cost > c.forward_cost || c.backward_weight_cost > c.backward_input_cost)) {
-    return std::nullopt;
+  try {
+    return mp::formula_bubble_fraction(kind, a.p, a.m, a.v, c);
+  } catch (const c10::Error&) {
+    return std::nullopt;  // the costs are outside the formula's condition
   }
-  return mp::formula_bubble_fraction(kind, a.p, a.m, a.v, c);
 }
 
 const char* formula_text(mp::ScheduleKind kind) {
   switch (kind) {
     case mp::ScheduleKind::kInterleaved: return "(p-1)/(v*m)";
     case mp::ScheduleKind::kZeroBubbleH1: return "(p-1)(F+B-W)/(m(F+B+W))";
+    case mp::ScheduleKind::kZeroBubbleV: return "(p-1)F/(2m(F+B+W)) at F = B = W";
+    case mp::ScheduleKind::kDualPipeV: return "(p-1)(F&B+B-3W)/(2m(F+B+W)), F&B = F+B, at B = 2W, B <= F <= B+W";
     default: return "(p-1)/m";
   }
 }
@@ -138,7 +140,11 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
   j["busy"] = per_rank([](const mp::RankReport& r) { return r.busy; });
   j["idle"] = per_rank([](const mp::RankReport& r) { return r.idle; });
   j["bubble_per_rank"] = per_rank([](const mp::RankReport& r) { return r.bubble.str(); });
-  j["nccl"] = {{"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
+  if (!mp::nccl_refusal(kind).empty()) {
+    j["nccl"] = {{"runs", false}, {"why", mp::nccl_refusal(kind)}};
+  } else {
+  j["nccl"] = {{"runs", true},
+               {"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
                {"batches", nccl.batches},
                {"ops", nccl.ops},
                {"max_batch", nccl.max_batch},
@@ -146,6 +152,7 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
                {"makespan", nccl.makespan},
                {"bubble_fraction", nccl.bubble_fraction.value()},
                {"bubble_fraction_exact", nccl.bubble_fraction.str()}};
+  }
   // Only when asked for: without CP or sizes the report is what it always was.
   if (a.cp > 1) {
     j["context_parallel_size"] = a.cp;
@@ -179,7 +186,7 @@ void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationRes
   }
   std::printf("makespan %lld ticks\n", static_cast<long long>(sim.makespan));
   if (!formula) {
-    std::printf("bubble (idle / busy) %s = %.4f; formula %s holds only for W <= F and W <= B\n",
+    std::printf("bubble (idle / busy) %s = %.4f; formula %s does not hold for these costs\n",
                 sim.bubble_fraction.str().c_str(), sim.bubble_fraction.value(), formula_text(kind));
   } else {
     std::printf("bubble (idle / busy) %s = %.4f; formula %s %s = %.4f%s\n", sim.bubble_fraction.str().c_str(),
@@ -197,11 +204,15 @@ void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationRes
   }
   if (a.v > 1) std::printf("(in flight counts chunk activations: one chunk is 1/%lld of a stage)\n",
                            static_cast<long long>(a.v));
-  std::printf("NCCL p2p: %lld batches of at most %lld ops (%lld ops, receives posted %s): no deadlock, no "
-              "mismatch; bubble when sends wait for their receivers %s = %.4f\n",
-              static_cast<long long>(nccl.batches), static_cast<long long>(nccl.max_batch),
-              static_cast<long long>(nccl.ops), mp::recv_posting_name(mp::recv_posting(kind)),
-              nccl.bubble_fraction.str().c_str(), nccl.bubble_fraction.value());
+  if (!mp::nccl_refusal(kind).empty()) {
+    std::printf("NCCL p2p: not run: %s\n", mp::nccl_refusal(kind).c_str());
+  } else {
+    std::printf("NCCL p2p: %lld batches of at most %lld ops (%lld ops, receives posted %s): no deadlock, no "
+                "mismatch; bubble when sends wait for their receivers %s = %.4f\n",
+                static_cast<long long>(nccl.batches), static_cast<long long>(nccl.max_batch),
+                static_cast<long long>(nccl.ops), mp::recv_posting_name(mp::recv_posting(kind)),
+                nccl.bubble_fraction.str().c_str(), nccl.bubble_fraction.value());
+  }
   if (a.cp > 1) std::printf("%s\n", cp_share_line(a).c_str());
   if (a.sized()) {
     const StageTensor t = stage_tensor(a);
@@ -224,9 +235,12 @@ int run(const Args& a) {
   const std::vector<int64_t> sends = sends_per_rank(lists);
   mp::SimulatorOptions costs = a.costs;
   costs.record_timeline = !a.svg.empty() || a.list_actions;
-  const mp::SimulationResult sim = mp::simulate(lists, a.m, a.v, costs);
-  // Throws, naming ranks and actions, if the executor's batches would deadlock on NCCL.
-  const mp::NcclOrderReport nccl = mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs);
+  const mp::SimulationResult sim = mp::simulate(lists, a.m, a.v, costs, mp::chunk_layout(kind));
+  // Throws, naming ranks and actions, if the executor's batches would deadlock on NCCL
+  // (not checked for a schedule the executor refuses to post on NCCL).
+  const std::string nccl_refusal = mp::nccl_refusal(kind);
+  const mp::NcclOrderReport nccl =
+      nccl_refusal.empty() ? mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs) : mp::NcclOrderReport{};
   if (!a.svg.empty()) {
     std::vector<mp::TimelineRecord> records;
     for (size_t r = 0; r < sim.ranks.size(); ++r)
@@ -282,10 +296,10 @@ int main(int argc, char** argv) {
   auto* backward = app.add_option("--backward-cost", a.costs.backward_cost, "ticks per whole backward of one chunk")
                        ->capture_default_str();
   auto* b_cost = app.add_option("--b-cost", a.costs.backward_input_cost,
-                                "ticks per input-gradient pass B of a split backward (zb-h1)")
+                                "ticks per input-gradient pass B of a split backward (zb-h1, zb-v, dualpipev)")
                      ->capture_default_str();
   auto* w_cost = app.add_option("--w-cost", a.costs.backward_weight_cost,
-                                "ticks per weight-gradient pass W of a split backward (zb-h1)")
+                                "ticks per weight-gradient pass W of a split backward (zb-h1, zb-v, dualpipev)")
                      ->capture_default_str();
   app.add_option("--p2p-cost", a.costs.p2p_cost, "transfer latency in ticks (overlaps compute)")->capture_default_str();
   app.add_option("--context-parallel-size", a.cp, "CP size c: each rank holds S/c of every sequence")
@@ -313,7 +327,10 @@ int main(int argc, char** argv) {
     a.costs.backward_cost = a.costs.backward_input_cost + a.costs.backward_weight_cost;
   }
   try {
-    if (mp::parse_schedule_kind(a.schedule) == mp::ScheduleKind::kInterleaved && v->count() == 0) {
+    const mp::ScheduleKind kind = mp::parse_schedule_kind(a.schedule);
+    // The V schedules always run two chunks per rank; -v, if given, must say so.
+    if (mp::chunk_layout(kind) == mp::ChunkLayout::kV && v->count() == 0) a.v = mp::chunks_per_rank(kind, a.v);
+    if (kind == mp::ScheduleKind::kInterleaved && v->count() == 0) {
       std::cerr << "megatorch-schedule: the interleaved schedule needs --virtual-pipeline-model-parallel-size V "
                    "(model chunks per stage, e.g. 2)\n";
       return 2;

@@ -30,8 +30,8 @@ using Batch = std::shared_ptr<comm::Work>;
 // which sender and receiver compute alike), so Gloo, which pairs by tag, can never pair
 // the wrong send and receive between two ranks. NCCL ignores tags and pairs by issue
 // order, which the batches' order guarantees (nccl_order_model.h).
-int64_t tag_of(const Action& a, int64_t rank, int64_t p, int64_t v) {
-  const P2PMessage msg = p2p_message(a, rank, p);
+int64_t tag_of(const Action& a, int64_t rank, int64_t p, int64_t v, ChunkLayout layout) {
+  const P2PMessage msg = p2p_message(a, rank, p, layout);
   return (msg.microbatch * p * v + msg.to_stage) * 2 + (msg.gradient ? 1 : 0);
 }
 
@@ -70,15 +70,21 @@ class StepRun {
         p_(stage.pp_size()),
         rank_(stage.pp_rank()),
         v_(stage.num_chunks()),
+        layout_(stage.chunk_layout()),
         m_(static_cast<int64_t>(mbs.size())),
         device_(stage.device()),
         timer_(device_) {}
 
   PipelineStepResult run() {
     MEGATORCH_CHECK(m_ >= 1, "pipeline: expected at least one micro-batch");
-    MEGATORCH_CHECK(options_.schedule() == ScheduleKind::kInterleaved || v_ == 1, "pipeline: the ",
-                    schedule_kind_name(options_.schedule()), " schedule runs one chunk per stage, got ", v_,
-                    " virtual chunks; use the interleaved schedule");
+    const ScheduleKind kind = options_.schedule();
+    MEGATORCH_CHECK(layout_ == chunk_layout(kind), "pipeline: the ", schedule_kind_name(kind), " schedule places ",
+                    "chunks in the ", chunk_layout_name(chunk_layout(kind)), " layout, but the stage was built in the ",
+                    chunk_layout_name(layout_), " layout; build it with chunk_layout(ChunkLayout::k",
+                    chunk_layout(kind) == ChunkLayout::kV ? "V" : "Looped", ") (gpt_pretrain does for --schedule)");
+    MEGATORCH_CHECK(kind == ScheduleKind::kInterleaved || v_ == chunks_per_rank(kind, 1), "pipeline: the ",
+                    schedule_kind_name(kind), " schedule runs ", chunks_per_rank(kind, 1), " chunk(s) per stage, got ",
+                    v_, " virtual chunks; use the interleaved schedule for other counts");
     // MoE auxiliary losses take the gradient each micro-batch's loss takes: scale / m.
     if (!options_.forward_only()) {
       moe::set_aux_loss_backward_scale(stage_.stage_module(), options_.loss_scale() / static_cast<double>(m_));
@@ -89,7 +95,11 @@ class StepRun {
     backwards_left_ = std::count_if(actions.begin(), actions.end(), [](const Action& a) {
       return is_compute(a.kind) && a.kind != ActionKind::kForward;
     });
-    if (p_ > 1) pp_ = std::make_unique<comm::Group>(stage_.pipeline_group());
+    if (p_ > 1) {
+      pp_ = std::make_unique<comm::Group>(stage_.pipeline_group());
+      const std::string refusal = nccl_refusal(kind);
+      MEGATORCH_CHECK(refusal.empty() || !pp_->coalesces(device_.type()), "pipeline: ", refusal);
+    }
     // The stage refuses batches it cannot run and sizes what travels between stages,
     // before any p2p.
     stage_.prepare(mbs_);
@@ -100,7 +110,7 @@ class StepRun {
     // Transfers go out in the schedule's batches (p2p_batches.h): on NCCL each batch is one
     // group, which is what keeps the 1F1B steady state and the interleaved schedule from
     // deadlocking; on Gloo the same ops are posted one by one with their tags.
-    for (const P2PStep& step : p2p_steps(actions, rank_, p_, recv_posting(options_.schedule()))) {
+    for (const P2PStep& step : p2p_steps(actions, rank_, p_, recv_posting(kind), layout_)) {
       if (step.is_batch()) {
         post(step.batch);
       } else if (step.compute.kind == ActionKind::kForward) {
@@ -122,7 +132,7 @@ class StepRun {
     for (const Action& a : batch) {
       comm::P2POp op;
       op.peer = a.peer;
-      op.tag = tag_of(a, rank_, p_, v_);
+      op.tag = tag_of(a, rank_, p_, v_, layout_);
       switch (a.kind) {
         case ActionKind::kRecvActivation:
         case ActionKind::kRecvGrad: {
@@ -177,8 +187,8 @@ class StepRun {
     ChunkState& st = state(a);
     at::Tensor input;  // undefined on the first virtual stage, which reads the micro-batch
     if (!stage_.is_first_virtual_stage(a.chunk)) {
-      if (p_ == 1) {  // interleaved on one rank: the previous chunk's output, in place
-        const Key prev{a.microbatch, a.chunk - 1};
+      if (const int64_t c = local_neighbour(a.chunk, -1); c >= 0) {  // the previous chunk's output, in place
+        const Key prev{a.microbatch, c};
         input = chunks_.at(prev).output.detach();
         if (!keep_graph) chunks_.erase(prev);
       } else {
@@ -220,8 +230,8 @@ class StepRun {
     at::Tensor grad;
     if (stage_.is_last_virtual_stage(a.chunk)) {
       grad = at::full_like(st.output, options_.loss_scale());
-    } else if (p_ == 1) {  // interleaved on one rank: the next chunk's input gradient
-      grad = chunks_.at({a.microbatch, a.chunk + 1}).input.grad();
+    } else if (const int64_t c = local_neighbour(a.chunk, +1); c >= 0) {  // the next chunk's input gradient
+      grad = chunks_.at({a.microbatch, c}).input.grad();
     } else {
       grad = take(st.grad, a);
     }
@@ -294,7 +304,7 @@ class StepRun {
     const auto spans = timer_.finish();
     for (size_t i = 0; i < timed_.size(); ++i)
       result_.timeline.push_back({rank_, timed_[i], spans[i].first, spans[i].second});
-    // Interleaved on one rank keeps inputs for the next chunk's backward until the end.
+    // Chunks that hand over in place keep their inputs for the other chunk's backward until the end.
     chunks_.clear();
     for (const auto& r : result_.timeline) result_.busy_s += r.end - r.start;
     result_.makespan_s =
@@ -314,13 +324,24 @@ class StepRun {
     return bytes;
   }
 
+  // This rank's chunk that holds the virtual stage `step` (+1 or -1) away from `chunk`'s,
+  // or -1 when another rank holds it (or there is none). Interleaved on one rank, and the
+  // turn of a V, hand tensors over in place.
+  int64_t local_neighbour(int64_t chunk, int64_t step) const {
+    const int64_t s = stage_.virtual_stage(chunk) + step;
+    if (s < 0 || s >= p_ * v_ || rank_of_virtual_stage(s, p_, layout_) != rank_) return -1;
+    return chunk_of_virtual_stage(s, p_, layout_);
+  }
+
   static Key key_of(const Action& a) { return {a.microbatch, a.chunk}; }
   ChunkState& state(const Action& a) { return chunks_[key_of(a)]; }
 
   Stage& stage_;
   const std::vector<MicroBatch>& mbs_;
   const ExecutorOptions& options_;
-  const int64_t p_, rank_, v_, m_;
+  const int64_t p_, rank_, v_;
+  const ChunkLayout layout_;
+  const int64_t m_;
   const c10::Device device_;
   std::unique_ptr<comm::Group> pp_;
   std::map<Key, ChunkState> chunks_;

@@ -70,6 +70,8 @@ void ModuleStageImpl::reset() {
     MEGATORCH_CHECK(!c.is_empty(), "ModuleStage: chunk ", list->size(), " holds no module");
     list->push_back(c.ptr());
   }
+  MEGATORCH_CHECK(chunk_layout() == ChunkLayout::kLooped || num_chunks() == 2, "ModuleStage: the V chunk layout ",
+                  "holds 2 chunks per rank (virtual stages r and 2p-1-r), got ", num_chunks());
   if (is_last_virtual_stage(num_chunks() - 1)) {
     MEGATORCH_CHECK(options.loss() != nullptr, "ModuleStage: the last virtual stage needs a loss; pass "
                     "ModuleStageOptions().loss([](const at::Tensor& output, const MicroBatch& mb) { ... })");
@@ -77,10 +79,10 @@ void ModuleStageImpl::reset() {
   // Every rank must hold the same number of chunks: the schedules pair virtual stages by it.
   if (pp_size_ > 1) {
     comm::Group pp(options.pp_group());
-    at::Tensor v = at::tensor({num_chunks()}, at::kLong);
-    const at::Tensor all = pp.all_gather(v, 0);
-    MEGATORCH_CHECK(at::all(all == num_chunks()).item<bool>(), "ModuleStage: pipeline ranks hold ", all,
-                    " chunks; every rank must hold the same number (virtual stages per rank)");
+    at::Tensor v = at::tensor({num_chunks(), static_cast<int64_t>(chunk_layout())}, at::kLong);
+    const at::Tensor all = pp.all_gather(v.unsqueeze(0), 0);
+    MEGATORCH_CHECK(at::all(all == v).item<bool>(), "ModuleStage: pipeline ranks hold (chunks, layout) ", all,
+                    "; every rank must hold the same number of chunks (virtual stages per rank) in the same layout");
   }
   // Global names: each top-level ModuleList's elements numbered across the virtual
   // stages in order, from one all-gather of (list, virtual stage, length) rows.
@@ -124,7 +126,7 @@ void ModuleStageImpl::reset() {
                     params.is_empty() ? std::string("(none)") : params.keys().front(), "'");
     copies.push_back({t.name, t.chunk, *p});
   }
-  ties_ = TiedParameters(std::move(copies), options.pp_group(), num_chunks());
+  ties_ = TiedParameters(std::move(copies), options.pp_group(), num_chunks(), chunk_layout());
   hooks_.assign(chunks_.size(), {});
   specs_.clear();
   specs_key_.clear();
@@ -186,7 +188,8 @@ void ModuleStageImpl::infer_activations(const MicroBatch& sample) {
   specs_.assign(std::max<int64_t>(stages - 1, 0), {});
   at::NoGradGuard no_grad;
   for (int64_t s = 0; s + 1 < stages; ++s) {
-    const int64_t owner = s % pp_size_, c = s / pp_size_;
+    const int64_t owner = rank_of_virtual_stage(s, pp_size_, chunk_layout());
+    const int64_t c = chunk_of_virtual_stage(s, pp_size_, chunk_layout());
     at::Tensor row = at::zeros({kMaxDims + 2}, at::kLong);
     if (owner == pp_rank_) {
       // On zeros, in eval mode: no dropout draws, so the run's random streams are untouched.

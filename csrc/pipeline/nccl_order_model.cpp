@@ -22,8 +22,8 @@ struct Op {
 
 class Model {
  public:
-  Model(const std::vector<std::vector<P2PStep>>& steps, const SimulatorOptions& costs)
-      : steps_(steps), p_(static_cast<int64_t>(steps.size())), costs_(costs) {
+  Model(const std::vector<std::vector<P2PStep>>& steps, const SimulatorOptions& costs, ChunkLayout layout)
+      : steps_(steps), p_(static_cast<int64_t>(steps.size())), costs_(costs), layout_(layout) {
     MEGATORCH_CHECK(p_ >= 1, "NCCL order model: expected one step list per pipeline rank, got none");
     MEGATORCH_CHECK(costs.forward_cost >= 0 && costs.backward_cost >= 0 && costs.backward_input_cost >= 0 &&
                         costs.backward_weight_cost >= 0 && costs.p2p_cost >= 0,
@@ -145,7 +145,8 @@ class Model {
     const int64_t sr = send ? r : peer, rr = send ? peer : r;
     const Op& s = send ? op : other;
     const Op& rv = send ? other : op;
-    const P2PMessage sent = p2p_message(s.action, sr, p_), expected = p2p_message(rv.action, rr, p_);
+    const P2PMessage sent = p2p_message(s.action, sr, p_, layout_),
+                     expected = p2p_message(rv.action, rr, p_, layout_);
     MEGATORCH_CHECK(sent == expected, "NCCL order model: mismatch between rank ", sr, " and rank ", rr, ": send #",
                     s.ordinal, " from rank ", sr, " to rank ", rr, " is ", to_string(s.action), " at step #", s.step,
                     " (", to_string(sent), "), but receive #", rv.ordinal, " on rank ", rr, " from rank ", sr, " is ",
@@ -193,6 +194,7 @@ class Model {
   const std::vector<std::vector<P2PStep>>& steps_;
   int64_t p_;
   SimulatorOptions costs_;
+  ChunkLayout layout_;
   std::vector<std::vector<Op>> ops_;             // per rank, in issue order
   std::vector<std::vector<int64_t>> first_op_;   // per rank: step i's ops are [first_op_[i], first_op_[i+1])
   NcclOrderReport report_;
@@ -200,8 +202,9 @@ class Model {
 
 }  // namespace
 
-NcclOrderReport verify_nccl_order(const std::vector<std::vector<P2PStep>>& steps, const SimulatorOptions& costs) {
-  return Model(steps, costs).run();
+NcclOrderReport verify_nccl_order(const std::vector<std::vector<P2PStep>>& steps, const SimulatorOptions& costs,
+                                  ChunkLayout layout) {
+  return Model(steps, costs, layout).run();
 }
 
 namespace {
@@ -213,7 +216,7 @@ NcclOrderReport verify_every_rank(ScheduleKind kind, int64_t p, int64_t m, int64
   std::vector<std::vector<P2PStep>> steps;
   steps.reserve(p);
   for (int64_t r = 0; r < p; ++r) steps.push_back(steps_of(r));
-  return verify_nccl_order(steps, costs);
+  return verify_nccl_order(steps, costs, chunk_layout(kind));
 }
 }  // namespace
 

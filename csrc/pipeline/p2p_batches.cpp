@@ -21,9 +21,9 @@ std::string to_string(const P2PStep& step) {
   return os.str();
 }
 
-P2PMessage p2p_message(const Action& a, int64_t rank, int64_t p) {
+P2PMessage p2p_message(const Action& a, int64_t rank, int64_t p, ChunkLayout layout) {
   MEGATORCH_CHECK(is_send(a.kind) || is_recv(a.kind), "expected a send or receive action, got ", to_string(a));
-  const int64_t here = virtual_stage(a.chunk, rank, p);
+  const int64_t here = virtual_stage(a.chunk, rank, p, layout);
   P2PMessage msg;
   msg.gradient = a.kind == ActionKind::kSendGrad || a.kind == ActionKind::kRecvGrad;
   msg.microbatch = a.microbatch;
@@ -45,6 +45,14 @@ RecvPosting recv_posting(ScheduleKind kind) {
   return kind == ScheduleKind::kInterleaved ? RecvPosting::kAfterPreviousSameDirection : RecvPosting::kBeforeConsumer;
 }
 
+std::string nccl_refusal(ScheduleKind kind) {
+  if (chunk_layout(kind) != ChunkLayout::kV) return "";
+  return std::string("the ") + schedule_kind_name(kind) +
+         " schedule sends each pair of ranks its two chunks' activations and gradients in another order than the "
+         "receiver takes them, which NCCL (pairing sends and receives by issue order) cannot deliver; run it on "
+         "Gloo ranks, or use --schedule zb-h1 or interleaved on GPUs";
+}
+
 const char* recv_posting_name(RecvPosting posting) {
   return posting == RecvPosting::kBeforeConsumer ? "before_consumer" : "after_previous_same_direction";
 }
@@ -60,7 +68,8 @@ int direction(ActionKind kind) {
 
 }  // namespace
 
-std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank, int64_t p, RecvPosting posting) {
+std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank, int64_t p, RecvPosting posting,
+                               ChunkLayout layout) {
   MEGATORCH_CHECK(p >= 1 && rank >= 0 && rank < p, "expected a pipeline rank in [0, ", p, "), got ", rank);
   std::vector<Action> computes;
   for (const Action& a : actions)
@@ -98,7 +107,7 @@ std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank,
         if (x.peer != y.peer) return x.peer < y.peer;
         const bool xr = is_recv(x.kind), yr = is_recv(y.kind);
         if (xr != yr) return xr;
-        return p2p_message(x, rank, p) < p2p_message(y, rank, p);
+        return p2p_message(x, rank, p, layout) < p2p_message(y, rank, p, layout);
       });
       P2PStep step;
       step.batch = std::move(batch);
@@ -114,11 +123,11 @@ std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank,
 }
 
 std::vector<P2PStep> schedule_p2p_steps(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
-  return p2p_steps(build_schedule(kind, p, m, v, rank), rank, p, recv_posting(kind));
+  return p2p_steps(build_schedule(kind, p, m, v, rank), rank, p, recv_posting(kind), chunk_layout(kind));
 }
 
 std::vector<P2PStep> forward_only_p2p_steps(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
-  return p2p_steps(build_forward_only_schedule(kind, p, m, v, rank), rank, p, recv_posting(kind));
+  return p2p_steps(build_forward_only_schedule(kind, p, m, v, rank), rank, p, recv_posting(kind), chunk_layout(kind));
 }
 
 std::vector<P2PStep> unbatched_p2p_steps(const std::vector<Action>& actions) {

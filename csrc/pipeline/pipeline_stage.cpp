@@ -40,18 +40,22 @@ void PipelineStageImpl::reset() {
   const auto& c = options.config();
   const int64_t v = options.virtual_chunks();
   MEGATORCH_CHECK(v >= 1, "expected virtual_chunks >= 1, got ", v);
+  const ChunkLayout layout = options.chunk_layout();
+  MEGATORCH_CHECK(layout == ChunkLayout::kLooped || v == 2, "pipeline: the V chunk layout holds 2 chunks per rank, ",
+                  "got virtual_chunks ", v, "; pass virtual_chunks(2)");
   if (pp_size_ > 1) {
     // Stages exchange [s, b, h] tensors whose shapes come from the config: compare it
     // across stages now (one small all-gather) rather than fail inside a p2p later.
     const at::Tensor mine = at::tensor({c.hidden_size(), c.seq_length(), c.num_layers(), c.vocab_size(),
                                         c.num_attention_heads(), c.query_groups(),
-                                        static_cast<int64_t>(c.sequence_parallel()), v},
+                                        static_cast<int64_t>(c.sequence_parallel()), v,
+                                        static_cast<int64_t>(layout)},
                                        at::kLong);
     const at::Tensor all = comm::Group(options.pp_group()).all_gather(mine.unsqueeze(0), 0);
     for (int64_t r = 0; r < pp_size_; ++r) {
       MEGATORCH_CHECK(at::equal(all[r], all[0]), "pipeline: stage ", r,
                       " was built with (hidden, seq, layers, vocab, heads, query groups, sequence_parallel, "
-                      "virtual chunks) = ", all[r], " but stage 0 with ", all[0],
+                      "virtual chunks, chunk layout) = ", all[r], " but stage 0 with ", all[0],
                       "; every stage must be built from the same model configuration");
     }
   }
@@ -61,7 +65,7 @@ void PipelineStageImpl::reset() {
   auto rng = std::make_shared<tp::RngTracker>();
   rng->seed(c.seed(), tp::tp_info(options.tp_group()).rank, c.device());
   for (int64_t chunk = 0; chunk < v; ++chunk) {
-    const int64_t s = chunk * pp_size_ + pp_rank_;
+    const int64_t s = virtual_stage(chunk);
     const int64_t begin = std::accumulate(split.begin(), split.begin() + s, int64_t{0});
     chunks->push_back(models::GPTModel(models::GPTModelOptions(c)
                                            .group(options.tp_group())
@@ -75,10 +79,12 @@ void PipelineStageImpl::reset() {
   // virtual stage) are one tie when they are two tensors.
   std::vector<TiedCopy> copies;
   if (c.tie_embeddings() && pp_size_ * v > 1) {
-    if (pp_rank_ == 0) copies.push_back({"embedding.weight", 0, chunk(0)->embedding->weight});
-    if (pp_rank_ == pp_size_ - 1) copies.push_back({"embedding.weight", v - 1, chunk(v - 1)->output_layer});
+    for (int64_t i = 0; i < v; ++i) {
+      if (is_first_virtual_stage(i)) copies.push_back({"embedding.weight", i, chunk(i)->embedding->weight});
+      if (is_last_virtual_stage(i)) copies.push_back({"embedding.weight", i, chunk(i)->output_layer});
+    }
   }
-  ties_ = TiedParameters(std::move(copies), options.pp_group(), v);
+  ties_ = TiedParameters(std::move(copies), options.pp_group(), v, layout);
 }
 
 void PipelineStageImpl::prepare(const std::vector<MicroBatch>& mbs) {

@@ -43,13 +43,26 @@ const char* schedule_kind_name(ScheduleKind kind) {
     case ScheduleKind::kOneFOneB: return "1f1b";
     case ScheduleKind::kInterleaved: return "interleaved";
     case ScheduleKind::kZeroBubbleH1: return "zb-h1";
+    case ScheduleKind::kZeroBubbleV: return "zb-v";
+    case ScheduleKind::kDualPipeV: return "dualpipev";
   }
   return "?";
 }
 
-const char* schedule_kind_names() { return "gpipe, 1f1b, interleaved or zb-h1"; }
+const char* schedule_kind_names() { return "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev"; }
 
-bool splits_backward(ScheduleKind kind) { return kind == ScheduleKind::kZeroBubbleH1; }
+bool splits_backward(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleH1 || kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+}
+
+ChunkLayout chunk_layout(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV ? ChunkLayout::kV
+                                                                                : ChunkLayout::kLooped;
+}
+
+const char* chunk_layout_name(ChunkLayout layout) { return layout == ChunkLayout::kV ? "v" : "looped"; }
+
+int64_t chunks_per_rank(ScheduleKind kind, int64_t v) { return chunk_layout(kind) == ChunkLayout::kV ? 2 : v; }
 
 std::optional<ScheduleKind> find_schedule_kind(const std::string& name) {
   std::string s;
@@ -58,6 +71,8 @@ std::optional<ScheduleKind> find_schedule_kind(const std::string& name) {
   if (s == "1f1b" || s == "one_f_one_b" || s == "pipedream_flush") return ScheduleKind::kOneFOneB;
   if (s == "interleaved" || s == "interleaved_1f1b") return ScheduleKind::kInterleaved;
   if (s == "zb_h1" || s == "zbh1" || s == "zero_bubble_h1") return ScheduleKind::kZeroBubbleH1;
+  if (s == "zb_v" || s == "zbv" || s == "zero_bubble_v") return ScheduleKind::kZeroBubbleV;
+  if (s == "dualpipev" || s == "dualpipe_v" || s == "dual_pipe_v") return ScheduleKind::kDualPipeV;
   return std::nullopt;
 }
 
@@ -71,6 +86,15 @@ void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {
   MEGATORCH_CHECK(p >= 1, "expected --pipeline-model-parallel-size >= 1, got ", p);
   MEGATORCH_CHECK(m >= 1, "expected --num-microbatches >= 1, got ", m);
   MEGATORCH_CHECK(v >= 1, "expected --virtual-pipeline-model-parallel-size >= 1, got ", v);
+  if (chunk_layout(kind) == ChunkLayout::kV) {
+    MEGATORCH_CHECK(v == 2, "the ", schedule_kind_name(kind), " schedule runs two model chunks per rank in a V: ",
+                    "expected 2 virtual stages per rank, got ", v, "; build the stages with 2 chunks (gpt_pretrain ",
+                    "does so for --schedule ", schedule_kind_name(kind), ")");
+    MEGATORCH_CHECK(m >= 2 * p, "the ", schedule_kind_name(kind), " schedule fills its V with 2p micro-batches: ",
+                    "expected --num-microbatches >= 2 x --pipeline-model-parallel-size = ", 2 * p, ", got ", m,
+                    "; use at least ", 2 * p, " micro-batches, or --schedule zb-h1");
+    return;
+  }
   MEGATORCH_CHECK(kind == ScheduleKind::kInterleaved || v == 1, "the ", schedule_kind_name(kind),
                   " schedule runs one model chunk per rank: expected "
                   "--virtual-pipeline-model-parallel-size 1, got ",
@@ -143,6 +167,128 @@ std::vector<Compute> zero_bubble_h1_order(int64_t p, int64_t m, int64_t rank) {
   return order;
 }
 
+// Builds the compute order of a V schedule: each chunk runs its forwards, and its
+// backwards, in micro-batch order, so a call names only the chunk; split backwards leave
+// their W's queued until a weight() call runs one.
+class VOrder {
+ public:
+  void forward(int64_t chunk) { order_.push_back({kF, next_forward_[chunk]++, chunk}); }
+  // The chunk's next backward, whole or split (its W queued).
+  void backward(int64_t chunk, bool split) {
+    const int64_t mb = next_backward_[chunk]++;
+    order_.push_back({split ? ActionKind::kBackwardInput : kB, mb, chunk});
+    if (split) queued_w_.push_back({ActionKind::kBackwardWeight, mb, chunk});
+  }
+  // The oldest queued W of `chunk`, or of either chunk when chunk < 0.
+  void weight(int64_t chunk = -1) {
+    const auto it = std::find_if(queued_w_.begin(), queued_w_.end(),
+                                 [&](const Compute& w) { return chunk < 0 || w.chunk == chunk; });
+    MEGATORCH_CHECK(it != queued_w_.end(), "V schedule: no weight pass of chunk ", chunk, " is queued");
+    order_.push_back(*it);
+    queued_w_.erase(it);
+  }
+  int64_t forwards(int64_t chunk) const { return next_forward_[chunk]; }
+  bool has_queued_weight(int64_t chunk) const {
+    return std::any_of(queued_w_.begin(), queued_w_.end(), [&](const Compute& w) { return w.chunk == chunk; });
+  }
+  std::vector<Compute> take() {
+    MEGATORCH_CHECK(queued_w_.empty(), "V schedule: ", queued_w_.size(), " weight passes were never run");
+    return std::move(order_);
+  }
+
+ private:
+  std::vector<Compute> order_;
+  std::vector<Compute> queued_w_;
+  int64_t next_forward_[2] = {0, 0}, next_backward_[2] = {0, 0};
+};
+
+// ZB-V (Qi et al. 2023, section 6). Chunk 0 goes down the ranks, chunk 1 comes back up,
+// so the last rank turns a micro-batch around at once and the first rank, which holds
+// the loss, starts backwards early. Warm-up: rank r runs 2(p - r) - 1 chunk-0 forwards,
+// then r pairs of (chunk-1, chunk-0) forwards, then p - r rounds of chunk 1's F, B, W.
+// Steady state: each round one F, B and W per chunk. Cool-down: r pairs of B's with
+// their W's held back, then chunk 0's B, W pairs, then the held W's fill the tail. With
+// F = B = W every rank idles only while the first micro-batch walks down and back; at
+// most 2p chunk activations (p micro-batches of the whole rank: 1F1B's) are held.
+std::vector<Compute> zero_bubble_v_order(int64_t p, int64_t m, int64_t rank) {
+  VOrder o;
+  for (int64_t i = 0; i < 2 * (p - rank) - 1; ++i) o.forward(0);
+  for (int64_t i = 0; i < rank; ++i) {
+    o.forward(1);
+    o.forward(0);
+  }
+  for (int64_t i = 0; i < p - rank; ++i) {
+    o.forward(1);
+    o.backward(1, true);
+    o.weight(1);
+  }
+  while (o.forwards(1) < m) {
+    if (o.forwards(0) < m) o.forward(0);
+    o.backward(0, true);
+    o.weight(0);
+    o.forward(1);
+    o.backward(1, true);
+    o.weight(1);
+  }
+  for (int64_t i = 0; i < rank; ++i) {
+    o.backward(0, true);
+    o.backward(1, true);
+  }
+  for (int64_t i = 0; i < p - rank; ++i) {
+    o.backward(0, true);
+    o.weight(0);
+  }
+  while (o.has_queued_weight(1)) o.weight(1);
+  while (o.has_queued_weight(0)) o.weight(0);
+  return o.take();
+}
+
+// DualPipeV (DeepSeek's DualPipe, folded into a V on p ranks). Warm-up: 2(p - r - 1)
+// chunk-0 forwards, then r + 1 pairs (chunk 0, chunk 1); then p - r - 1 rounds of chunk
+// 1's split B, a queued W and a chunk-1 forward. Steady state: pairs of a forward of one
+// chunk next to a whole backward of the other (DualPipe overlaps the two to hide MoE's
+// all-to-all; here they run one after the other). Cool-down: p - r - 1 rounds of B1 and
+// (F1, B0); r + 1 pairs (B1, B0) whose second half is split, then the queued W's
+// alternate with chunk 0's last split B's and fill the tail.
+std::vector<Compute> dualpipev_order(int64_t p, int64_t m, int64_t rank) {
+  VOrder o;
+  const int64_t below = p - rank - 1;  // ranks after this one on the way down
+  for (int64_t i = 0; i < 2 * below; ++i) o.forward(0);
+  for (int64_t i = 0; i <= rank; ++i) {
+    o.forward(0);
+    o.forward(1);
+  }
+  for (int64_t i = 0; i < below; ++i) {
+    o.backward(1, true);
+    o.weight();
+    o.forward(1);
+  }
+  for (int64_t i = 0; i < m - 2 * p + rank + 1; ++i) {
+    o.forward(0);
+    o.backward(1, false);
+    o.forward(1);
+    o.backward(0, false);
+  }
+  for (int64_t i = 0; i < below; ++i) {
+    o.backward(1, false);
+    o.forward(1);
+    o.backward(0, false);
+  }
+  // The split starts half-way through the r + 1 pairs: on an odd rank with the pair's
+  // B1, on an even one with its B0, so r + 1 W's are left for the tail.
+  const int64_t half = (rank + 1) / 2;
+  for (int64_t i = 0; i <= rank; ++i) {
+    o.backward(1, i > half || (i == half && rank % 2 == 1));
+    o.backward(0, i >= half);
+  }
+  for (int64_t i = 0; i < below; ++i) {
+    o.weight();
+    o.backward(0, true);
+  }
+  for (int64_t i = 0; i <= rank; ++i) o.weight();
+  return o.take();
+}
+
 // Megatron's forward_backward_pipelining_with_interleaving. The k-th forward (of m*v) on
 // a rank belongs to group k / (p*v) of p micro-batches; within a group the rank runs
 // chunk 0 on the p micro-batches, then chunk 1, ...; backwards walk the chunks in reverse.
@@ -174,19 +320,22 @@ std::vector<Compute> compute_order(ScheduleKind kind, int64_t p, int64_t m, int6
     case ScheduleKind::kOneFOneB: return one_f_one_b_order(p, m, rank);
     case ScheduleKind::kInterleaved: return interleaved_order(p, m, v, rank);
     case ScheduleKind::kZeroBubbleH1: return zero_bubble_h1_order(p, m, rank);
+    case ScheduleKind::kZeroBubbleV: return zero_bubble_v_order(p, m, rank);
+    case ScheduleKind::kDualPipeV: return dualpipev_order(p, m, rank);
   }
   MEGATORCH_FAIL("unknown pipeline schedule kind ", static_cast<int>(kind));
 }
 
 // The order's computes with the transfers each implies; a neighbour on this same rank needs none.
-std::vector<Action> with_transfers(const std::vector<Compute>& order, int64_t p, int64_t v, int64_t rank) {
+std::vector<Action> with_transfers(const std::vector<Compute>& order, int64_t p, int64_t v, int64_t rank,
+                                   ChunkLayout layout) {
   const int64_t last = p * v - 1;
   std::vector<Action> actions;
   actions.reserve(order.size() * 3);
   for (const Compute& c : order) {
-    const int64_t s = virtual_stage(c.chunk, rank, p);
-    const int64_t prev = s > 0 ? rank_of_virtual_stage(s - 1, p) : rank;
-    const int64_t next = s < last ? rank_of_virtual_stage(s + 1, p) : rank;
+    const int64_t s = virtual_stage(c.chunk, rank, p, layout);
+    const int64_t prev = s > 0 ? rank_of_virtual_stage(s - 1, p, layout) : rank;
+    const int64_t next = s < last ? rank_of_virtual_stage(s + 1, p, layout) : rank;
     if (c.kind == kF) {
       if (prev != rank) actions.push_back({ActionKind::kRecvActivation, c.microbatch, c.chunk, prev});
       actions.push_back({kF, c.microbatch, c.chunk, -1});
@@ -205,13 +354,13 @@ std::vector<Action> with_transfers(const std::vector<Compute>& order, int64_t p,
 }  // namespace
 
 std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
-  return with_transfers(compute_order(kind, p, m, v, rank), p, v, rank);
+  return with_transfers(compute_order(kind, p, m, v, rank), p, v, rank, chunk_layout(kind));
 }
 
 std::vector<Action> build_forward_only_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank) {
   std::vector<Compute> order = compute_order(kind, p, m, v, rank);
   order.erase(std::remove_if(order.begin(), order.end(), [](const Compute& c) { return c.kind != kF; }), order.end());
-  return with_transfers(order, p, v, rank);
+  return with_transfers(order, p, v, rank, chunk_layout(kind));
 }
 
 std::vector<std::vector<Action>> build_schedules(ScheduleKind kind, int64_t p, int64_t m, int64_t v) {

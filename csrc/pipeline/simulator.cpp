@@ -27,6 +27,20 @@ Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v
                     ", B ", b, ", W ", w, "; simulate the schedule instead");
     return Ratio::of((p - 1) * (f + b - w), m * (f + b + w));
   }
+  if (kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV) {
+    const int64_t f = costs.forward_cost, b = costs.backward_input_cost, w = costs.backward_weight_cost;
+    MEGATORCH_CHECK(costs.backward_cost == b + w, "the ", schedule_kind_name(kind), " bubble formula takes a whole ",
+                    "backward to cost B + W = ", b + w, ", got ", costs.backward_cost, "; simulate the schedule instead");
+    const int64_t busy = 2 * m * (f + b + w);  // two chunks per rank
+    if (kind == ScheduleKind::kZeroBubbleV) {
+      MEGATORCH_CHECK(f == b && b == w, "the ZB-V bubble formula (p-1)F holds for F = B = W, got F ", f, ", B ", b,
+                      ", W ", w, "; simulate the schedule instead");
+      return Ratio::of((p - 1) * f, busy);
+    }
+    MEGATORCH_CHECK(b == 2 * w && b <= f && f <= b + w, "the DualPipe bubble formula (p-1)(F&B+B-3W) holds for ",
+                    "B = 2W and B <= F <= B + W, got F ", f, ", B ", b, ", W ", w, "; simulate the schedule instead");
+    return Ratio::of((p - 1) * (f + 2 * b - 3 * w), busy);
+  }
   return Ratio::of(p - 1, kind == ScheduleKind::kInterleaved ? v * m : m);
 }
 
@@ -39,8 +53,9 @@ constexpr int64_t kNever = -1;  // a time not reached yet
 // and "did this already happen?" (duplicates).
 class Simulation {
  public:
-  Simulation(const std::vector<std::vector<Action>>& lists, int64_t m, int64_t v, const SimulatorOptions& o)
-      : lists_(lists), p_(static_cast<int64_t>(lists.size())), m_(m), v_(v), stages_(p_ * v), o_(o) {
+  Simulation(const std::vector<std::vector<Action>>& lists, int64_t m, int64_t v, const SimulatorOptions& o,
+             ChunkLayout layout)
+      : lists_(lists), p_(static_cast<int64_t>(lists.size())), m_(m), v_(v), stages_(p_ * v), o_(o), layout_(layout) {
     const size_t n = static_cast<size_t>(m_ * stages_);
     for (auto* a : {&fwd_end_, &bwd_input_end_, &bwd_end_, &act_ready_, &grad_ready_, &act_sent_, &grad_sent_})
       a->assign(n, kNever);
@@ -81,7 +96,8 @@ class Simulation {
   static constexpr int64_t kBlocked = -2;
   static constexpr int64_t kNoWake = -1;
 
-  int64_t host(int64_t s) const { return rank_of_virtual_stage(s, p_); }
+  int64_t host(int64_t s) const { return rank_of_virtual_stage(s, p_, layout_); }
+  int64_t stage_of(const Action& a, int64_t r) const { return virtual_stage(a.chunk, r, p_, layout_); }
   size_t at(int64_t mb, int64_t s) const { return static_cast<size_t>(mb * stages_ + s); }
 
   std::string where(int64_t r) const {
@@ -97,7 +113,7 @@ class Simulation {
                     "), got ", a.microbatch);
     MEGATORCH_CHECK(a.chunk >= 0 && a.chunk < v_, where(r), ": expected a chunk in [0, ", v_, "), got ", a.chunk);
     if (is_compute(a.kind)) return;
-    const int64_t s = virtual_stage(a.chunk, r, p_);
+    const int64_t s = stage_of(a, r);
     const bool downstream = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvGrad;
     const int64_t other = downstream ? s + 1 : s - 1;
     MEGATORCH_CHECK(other >= 0 && other < stages_, where(r), ": virtual stage ", s, " is the ",
@@ -119,7 +135,7 @@ class Simulation {
   int64_t step(int64_t r) {
     const Action& a = lists_[r][pc_[r]];
     validate(r, a);
-    const int64_t s = virtual_stage(a.chunk, r, p_);
+    const int64_t s = stage_of(a, r);
     const size_t i = at(a.microbatch, s);
     const int64_t now = clock_[r];
     int64_t start = now, cost = 0, wake = kNoWake;
@@ -196,12 +212,12 @@ class Simulation {
   // Why the next action of a stuck rank cannot run.
   std::string waits_for(int64_t r) const {
     const Action& a = lists_[r][pc_[r]];
-    const int64_t s = virtual_stage(a.chunk, r, p_);
+    const int64_t s = stage_of(a, r);
     const size_t i = at(a.microbatch, s);
     std::ostringstream os;
     auto missing = [&](const char* what, int64_t stage) {
       const int64_t owner = host(stage);
-      os << "the " << what << "(mb " << a.microbatch << ", chunk " << chunk_of_virtual_stage(stage, p_)
+      os << "the " << what << "(mb " << a.microbatch << ", chunk " << chunk_of_virtual_stage(stage, p_, layout_)
          << ") of rank " << owner << (owner == r ? ", which must come earlier in this rank's list" : "");
     };
     switch (a.kind) {
@@ -243,7 +259,7 @@ class Simulation {
     int64_t problems = 0;
     auto note = [&](const std::string& what, int64_t mb, int64_t s) {
       if (++problems <= 8)
-        os << "\n  " << what << "(mb " << mb << ", chunk " << chunk_of_virtual_stage(s, p_) << ") on rank " << host(s);
+        os << "\n  " << what << "(mb " << mb << ", chunk " << chunk_of_virtual_stage(s, p_, layout_) << ") on rank " << host(s);
     };
     for (int64_t mb = 0; mb < m_; ++mb) {
       for (int64_t s = 0; s < stages_; ++s) {
@@ -262,6 +278,7 @@ class Simulation {
   const std::vector<std::vector<Action>>& lists_;
   const int64_t p_, m_, v_, stages_;
   const SimulatorOptions o_;
+  const ChunkLayout layout_;
   std::vector<int64_t> fwd_end_, bwd_input_end_, bwd_end_;  // compute finished
   std::vector<int64_t> act_ready_, grad_ready_;             // input present on the stage's rank
   std::vector<int64_t> act_sent_, grad_sent_;               // when the send was posted
@@ -272,7 +289,7 @@ class Simulation {
 }  // namespace
 
 SimulationResult simulate(const std::vector<std::vector<Action>>& schedules, int64_t num_microbatches,
-                          int64_t num_chunks, const SimulatorOptions& options) {
+                          int64_t num_chunks, const SimulatorOptions& options, ChunkLayout layout) {
   MEGATORCH_CHECK(!schedules.empty(), "expected one action list per pipeline rank, got none");
   MEGATORCH_CHECK(num_microbatches >= 1, "expected num_microbatches >= 1, got ", num_microbatches);
   MEGATORCH_CHECK(num_chunks >= 1, "expected num_chunks >= 1, got ", num_chunks);
@@ -282,12 +299,14 @@ SimulationResult simulate(const std::vector<std::vector<Action>>& schedules, int
                   options.forward_cost, ", backward ", options.backward_cost, ", backward_input ",
                   options.backward_input_cost, ", backward_weight ", options.backward_weight_cost);
   MEGATORCH_CHECK(options.p2p_cost >= 0, "expected p2p_cost >= 0, got ", options.p2p_cost);
-  return Simulation(schedules, num_microbatches, num_chunks, options).run();
+  MEGATORCH_CHECK(layout == ChunkLayout::kLooped || num_chunks == 2, "expected 2 chunks per rank in a V layout, got ",
+                  num_chunks);
+  return Simulation(schedules, num_microbatches, num_chunks, options, layout).run();
 }
 
 SimulationResult simulate_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
                                    const SimulatorOptions& options) {
-  return simulate(build_schedules(kind, p, m, v), m, v, options);
+  return simulate(build_schedules(kind, p, m, v), m, v, options, chunk_layout(kind));
 }
 
 }  // namespace megatorch::pipeline

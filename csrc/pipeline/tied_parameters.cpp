@@ -25,8 +25,9 @@ at::Tensor& grad_of(const at::Tensor& t) {
 
 }  // namespace
 
-TiedParameters::TiedParameters(std::vector<TiedCopy> copies, const std::string& pp_group, int64_t num_chunks)
-    : copies_(std::move(copies)), pp_group_(pp_group) {
+TiedParameters::TiedParameters(std::vector<TiedCopy> copies, const std::string& pp_group, int64_t num_chunks,
+                               ChunkLayout layout)
+    : copies_(std::move(copies)), pp_group_(pp_group), layout_(layout) {
   if (!pp_group_.empty()) {
     comm::Group pp(pp_group_);
     pp_rank_ = pp.rank();
@@ -46,7 +47,7 @@ TiedParameters::TiedParameters(std::vector<TiedCopy> copies, const std::string& 
   std::vector<int64_t> mine;
   for (const auto& c : copies_) {
     mine.push_back(fingerprint(c.name));
-    mine.push_back(c.chunk * pp_size_ + pp_rank_);
+    mine.push_back(virtual_stage(c.chunk, pp_rank_, pp_size_, layout_));
   }
   at::Tensor all = at::tensor(mine, at::kLong).view({-1, 2});
   if (pp_size_ > 1) {
@@ -63,7 +64,7 @@ TiedParameters::TiedParameters(std::vector<TiedCopy> copies, const std::string& 
     const int64_t key = all[i][0].item<int64_t>(), stage = all[i][1].item<int64_t>();
     if (key < 0) continue;
     Tie& t = ties_[key];
-    const int64_t rank = stage % pp_size_;
+    const int64_t rank = rank_of_virtual_stage(stage, pp_size_, layout_);
     if (std::find(t.holders.begin(), t.holders.end(), rank) == t.holders.end()) t.holders.push_back(rank);
     std::sort(t.holders.begin(), t.holders.end());
     t.first_virtual_stage = t.first_virtual_stage < 0 ? stage : std::min(t.first_virtual_stage, stage);
@@ -91,7 +92,7 @@ const TiedParameters::Tie& TiedParameters::tie(const std::string& name) const {
 const std::vector<int64_t>& TiedParameters::holders(const std::string& name) const { return tie(name).holders; }
 
 bool TiedParameters::is_primary(const TiedCopy& copy) const {
-  return tie(copy.name).first_virtual_stage == copy.chunk * pp_size_ + pp_rank_;
+  return tie(copy.name).first_virtual_stage == virtual_stage(copy.chunk, pp_rank_, pp_size_, layout_);
 }
 
 bool TiedParameters::optimizer_can_sum() const {

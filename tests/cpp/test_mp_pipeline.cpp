@@ -1,4 +1,5 @@
-// The pipeline executor: every schedule (zb-h1's split backward too) at p = 2 and 4 (TP 1
+// The pipeline executor: every schedule (the zero-bubble ones' split backward, ZB-V's and
+// DualPipeV's V of two chunks per rank too) at p = 2 and 4 (TP 1
 // and 2 inside stages, SP, two pipelines side by side) gives
 // the loss and gradients of the single-stage model (1e-5, fp32), and the activations it
 // stashes peak exactly where the schedule's simulation says.
@@ -25,11 +26,14 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
     auto st = mp::state(tpn, ppn, "pipe_" + std::to_string(tpn) + "_" + std::to_string(ppn));
     Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);
     for (auto kind : {pipeline::ScheduleKind::kGPipe, pipeline::ScheduleKind::kOneFOneB,
-                      pipeline::ScheduleKind::kInterleaved, pipeline::ScheduleKind::kZeroBubbleH1}) {
+                      pipeline::ScheduleKind::kInterleaved, pipeline::ScheduleKind::kZeroBubbleH1,
+                      pipeline::ScheduleKind::kZeroBubbleV, pipeline::ScheduleKind::kDualPipeV}) {
       for (bool sp : {false, true}) {
         if (sp && tpn == 1) continue;
-        const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
-        const int64_t m = 2 * ppn;
+        const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : pipeline::chunks_per_rank(kind, 1);
+        const auto layout = pipeline::chunk_layout(kind);
+        // The V schedules fill their V with 2p micro-batches; one more shows the steady state.
+        const int64_t m = layout == pipeline::ChunkLayout::kV ? 2 * ppn + 1 : 2 * ppn;
         auto config = gpt_test::base_config().num_layers(8).sequence_parallel(sp);
         INFO(pipeline::schedule_kind_name(kind) << " tp=" << tpn << " pp=" << ppn << (sp ? " +SP" : ""));
         std::vector<pipeline::MicroBatch> mbs;
@@ -48,7 +52,8 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config)
                                           .tp_group(tpg.name())
                                           .pp_group(ppg.name())
-                                          .virtual_chunks(v));
+                                          .virtual_chunks(v)
+                                          .chunk_layout(layout));
         ppg.reset_stats();
         auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind));
         // The batches count one send or recv per transfer of the schedule, one activation each.
@@ -65,7 +70,8 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].bytes == recvs * act_bytes);
         stage->allreduce_tied_embedding_grads();
         stage->allreduce_sequence_parallel_grads();
-        if (ppg.rank() == ppg.size() - 1) {
+        // The loss is the last virtual stage's: the last rank's, or rank 0's in a V.
+        if (stage->is_last_virtual_stage(v - 1)) {
           REQUIRE(result.loss.defined());
           CHECK(torch::allclose(result.loss, ref_loss, 1e-5, 0));
         } else {
@@ -82,9 +88,13 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         CHECK(result.peak_stashed == sim.ranks[ppg.rank()].peak_inflight);
         const auto shape = stage->activation_shape(2);
         CHECK(result.peak_stashed_bytes == result.peak_stashed * shape[0] * shape[1] * shape[2] * 4);
-        // F and B per micro-batch and chunk, and W where backward is split.
-        const int64_t passes = pipeline::splits_backward(kind) ? 3 : 2;
-        CHECK(result.timeline.size() == static_cast<size_t>(passes * m * v));
+        // F and B per micro-batch and chunk, and W where backward is split (DualPipeV
+        // splits some of its backwards only).
+        int64_t splits = 0;
+        for (const auto& a : pipeline::build_schedule(kind, ppn, m, v, ppg.rank()))
+          splits += a.kind == pipeline::ActionKind::kBackwardWeight ? 1 : 0;
+        CHECK(result.timeline.size() == static_cast<size_t>(2 * m * v + splits));
+        if (kind != pipeline::ScheduleKind::kDualPipeV) CHECK(splits == (pipeline::splits_backward(kind) ? m * v : 0));
       }
     }
   }
@@ -98,8 +108,8 @@ TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradi
     auto st = mp::state(tpn, ppn, "pipe_fwd_" + std::to_string(tpn) + "_" + std::to_string(ppn));
     Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);
     for (auto kind : {pipeline::ScheduleKind::kGPipe, pipeline::ScheduleKind::kOneFOneB,
-                      pipeline::ScheduleKind::kInterleaved}) {
-      const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
+                      pipeline::ScheduleKind::kInterleaved, pipeline::ScheduleKind::kZeroBubbleV}) {
+      const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : pipeline::chunks_per_rank(kind, 1);
       const int64_t m = 2 * ppn;
       auto config = gpt_test::base_config().num_layers(8);
       INFO(pipeline::schedule_kind_name(kind) << " tp=" << tpn << " pp=" << ppn);
@@ -129,7 +139,8 @@ TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradi
       pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config)
                                         .tp_group(tpg.name())
                                         .pp_group(ppn > 1 ? ppg.name() : "")
-                                        .virtual_chunks(v));
+                                        .virtual_chunks(v)
+                                        .chunk_layout(pipeline::chunk_layout(kind)));
       stage->eval();
       ppg.reset_stats();
       const auto result =
@@ -147,7 +158,7 @@ TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradi
       CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].calls == sends);
       CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * act[0] * act[1] * act[2] * 4);
       CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].calls == recvs);
-      if (ppg.rank() == ppg.size() - 1) {
+      if (stage->is_last_virtual_stage(v - 1)) {
         REQUIRE(result.loss.defined());
         CHECK_FALSE(result.loss.requires_grad());
         const double got = result.loss.item<double>();

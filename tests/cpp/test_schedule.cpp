@@ -359,11 +359,12 @@ TEST_CASE("bad schedule arguments fail with what was expected and what was given
   CHECK(mp::parse_schedule_kind("one-f-one-b") == ScheduleKind::kOneFOneB);
   CHECK(mp::parse_schedule_kind("Interleaved_1f1b") == ScheduleKind::kInterleaved);
   for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved,
-                    ScheduleKind::kZeroBubbleH1})
+                    ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV})
     CHECK(mp::parse_schedule_kind(mp::schedule_kind_name(kind)) == kind);
   CHECK_THROWS_WITH(mp::parse_schedule_kind("chimera"),
-                    Catch::Contains("expected a pipeline schedule named gpipe, 1f1b, interleaved or zb-h1, got 'chimera'"));
-  CHECK(std::string(mp::schedule_kind_names()) == "gpipe, 1f1b, interleaved or zb-h1");
+                    Catch::Contains("expected a pipeline schedule named gpipe, 1f1b, interleaved, zb-h1, zb-v or "
+                                    "dualpipev, got 'chimera'"));
+  CHECK(std::string(mp::schedule_kind_names()) == "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev");
   CHECK(mp::find_schedule_kind("PipeDream-Flush") == ScheduleKind::kOneFOneB);
   CHECK_FALSE(mp::find_schedule_kind("").has_value());
   CHECK_FALSE(mp::find_schedule_kind("1f1b ").has_value());

@@ -1,6 +1,7 @@
 #pragma once
 // ModuleStage: a pipeline stage made of the user's own LibTorch modules, one per chunk
-// (virtual stage c·p + r is chunk c of pipeline rank r). Each chunk's forward maps the
+// (virtual stage c·p + r is chunk c of pipeline rank r; under the V layout, rank r's chunks
+// are virtual stages r and 2p-1-r). Each chunk's forward maps the
 // activation received from the previous virtual stage to the one it sends on; the first
 // virtual stage reads the micro-batch tensor named `input`; the last applies `loss` to
 // its output and the micro-batch. What travels between stages is declared
@@ -52,6 +53,9 @@ struct TiedParameter {
 
 struct ModuleStageOptions {
   TORCH_ARG(std::string, pp_group) = "";  // "" for a single stage
+  // kV for the zb-v and dualpipev schedules (two chunks per rank: the first goes down the
+  // ranks, the second comes back up, so rank 0's second chunk computes the loss).
+  TORCH_ARG(ChunkLayout, chunk_layout) = ChunkLayout::kLooped;
   // The TP group of the chunks' parallel layers, and whether they run sequence parallel:
   // the optimizer's grouping and the checkpoint entries read them (which TP rank writes
   // a replicated parameter, whose gradients are partial).
@@ -80,6 +84,7 @@ class ModuleStageImpl : public torch::nn::Cloneable<ModuleStageImpl>, public Sta
   int64_t pp_rank() const override { return pp_rank_; }
   int64_t pp_size() const override { return pp_size_; }
   int64_t num_chunks() const override { return static_cast<int64_t>(chunks_.size()); }
+  ChunkLayout chunk_layout() const override { return options.chunk_layout(); }
   const std::string& pipeline_group() const override { return options.pp_group(); }
   c10::Device device() const override { return options.device(); }
   void prepare(const std::vector<MicroBatch>& micro_batches) override;

@@ -33,12 +33,13 @@ struct NcclOrderReport {
   Ratio bubble_fraction;  // sum of idle over sum of compute, as the simulator's
 };
 
-// Runs steps[r] on rank r (p = steps.size()). Throws, naming ranks, steps and actions:
+// Runs steps[r] on rank r (p = steps.size()), chunks placed by `layout`. Throws, naming ranks, steps and actions:
 // on a deadlock (no rank can progress while some have steps left: each stuck rank's
 // current batch and what each of its ops waits for), on a mismatch (a pair's k-th send
 // and k-th receive carry different messages: kind, micro-batch, receiving virtual
 // stage), on a malformed step, or if some op was never matched.
-NcclOrderReport verify_nccl_order(const std::vector<std::vector<P2PStep>>& steps, const SimulatorOptions& costs = {});
+NcclOrderReport verify_nccl_order(const std::vector<std::vector<P2PStep>>& steps, const SimulatorOptions& costs = {},
+                                  ChunkLayout layout = ChunkLayout::kLooped);
 
 // verify_nccl_order over schedule_p2p_steps of every rank of (kind, p, m, v).
 NcclOrderReport verify_schedule_nccl_order(ScheduleKind kind, int64_t p, int64_t m, int64_t v,

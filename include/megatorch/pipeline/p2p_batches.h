@@ -50,8 +50,9 @@ struct P2PMessage {
   bool operator<(const P2PMessage& o) const;
 };
 
-// The message of a send or receive `a` in rank `rank`'s list of a p-rank pipeline.
-P2PMessage p2p_message(const Action& a, int64_t rank, int64_t p);
+// The message of a send or receive `a` in rank `rank`'s list of a p-rank pipeline whose
+// chunks are placed by `layout`.
+P2PMessage p2p_message(const Action& a, int64_t rank, int64_t p, ChunkLayout layout = ChunkLayout::kLooped);
 // "activation of mb 3 for virtual stage 5".
 std::string to_string(const P2PMessage& message);
 
@@ -80,10 +81,19 @@ enum class RecvPosting {
 RecvPosting recv_posting(ScheduleKind kind);
 const char* recv_posting_name(RecvPosting posting);  // "before_consumer", "after_previous_same_direction"
 
+// Why the executor cannot post `kind`'s transfers on a backend that pairs sends and
+// receives by issue order (NCCL), or "" when it can. The V schedules send a pair of ranks
+// two streams of messages in each direction (chunk 0's activations and chunk 1's
+// gradients go down; the others come up), and the receiver consumes them in another
+// order than the sender produces them: on one communicator NCCL would pair the wrong
+// tensors (verify_nccl_order shows the mismatch). Gloo pairs by tag and runs them.
+std::string nccl_refusal(ScheduleKind kind);
+
 // The batched steps of one rank's action list (build_schedule's output): sends stay right
 // after the compute that produced them, receives move as `posting` says, and all the
 // transfers that land between two computes form one batch.
-std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank, int64_t p, RecvPosting posting);
+std::vector<P2PStep> p2p_steps(const std::vector<Action>& actions, int64_t rank, int64_t p, RecvPosting posting,
+                               ChunkLayout layout = ChunkLayout::kLooped);
 
 // p2p_steps of build_schedule(kind, p, m, v, rank) with recv_posting(kind).
 std::vector<P2PStep> schedule_p2p_steps(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);

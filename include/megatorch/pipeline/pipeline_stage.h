@@ -1,7 +1,7 @@
 #pragma once
 // PipelineStage: this pipeline rank's chunks of a GPT, the GPT's pipeline::Stage. With p
-// stages and v virtual chunks per stage, virtual stage s = chunk·p + rank owns a
-// contiguous range of GPT layers; virtual stage 0 also owns the embedding, the last one
+// stages and v virtual chunks per stage, virtual stage s = chunk·p + rank (or, in the V
+// layout, r and 2p-1-r) owns a contiguous range of GPT layers; virtual stage 0 also owns the embedding, the last one
 // the final norm, the head and the loss. Layers split evenly, or by an explicit list of
 // per-virtual-stage counts. Micro-batches carry `ids` and `labels` [b, seq_length]; the
 // activation is [s, b, h] ([s/tp, b, h] under SP) in the parameters' dtype; the tied
@@ -31,6 +31,9 @@ struct PipelineStageOptions {
   TORCH_ARG(std::string, tp_group) = "";
   TORCH_ARG(std::string, pp_group) = "";  // "" for a single stage
   TORCH_ARG(int64_t, virtual_chunks) = 1;
+  // kV (with virtual_chunks 2) for the zb-v and dualpipev schedules: rank 0 then holds the
+  // embedding and the head.
+  TORCH_ARG(ChunkLayout, chunk_layout) = ChunkLayout::kLooped;
   TORCH_ARG(std::vector<int64_t>, layer_split) = {};  // empty: even split
 };
 
@@ -42,6 +45,7 @@ class PipelineStageImpl : public torch::nn::Cloneable<PipelineStageImpl>, public
   int64_t pp_rank() const override { return pp_rank_; }
   int64_t pp_size() const override { return pp_size_; }
   int64_t num_chunks() const override { return options.virtual_chunks(); }
+  ChunkLayout chunk_layout() const override { return options.chunk_layout(); }
   const std::string& pipeline_group() const override { return options.pp_group(); }
   c10::Device device() const override { return options.config().device(); }
   models::GPTModel chunk(int64_t c) const { return chunks->ptr<models::GPTModelImpl>(c); }

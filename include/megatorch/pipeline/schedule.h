@@ -4,9 +4,12 @@
 // the point-to-point transfers that compute implies. The simulator checks and times the
 // lists of all ranks without a model; the executor runs the same lists with c10d p2p.
 //
-// Model layout (Megatron's): the model is cut into p * v virtual stages; virtual stage
-// s = chunk * p + rank lives on rank s % p as its model chunk s / p. A micro-batch goes
-// forward through s = 0 .. p*v-1 and backward through s = p*v-1 .. 0.
+// Model layout: the model is cut into p * v virtual stages. Megatron's looped layout puts
+// virtual stage s = chunk * p + rank on rank s % p as its model chunk s / p. The V
+// schedules (ZB-V, DualPipeV) hold v = 2 chunks in a V: rank r holds virtual stages r
+// and 2p - 1 - r, so the turn (stages p - 1 and p) stays on the last rank and the loss is
+// computed on rank 0. A micro-batch goes forward through s = 0 .. p*v-1 and backward
+// through s = p*v-1 .. 0.
 #include <cstdint>
 #include <optional>
 #include <ostream>
@@ -55,16 +58,21 @@ enum class ScheduleKind {
   kOneFOneB,     // PipeDream-Flush: warm-up forwards, one-forward-one-backward, cool-down
   kInterleaved,  // Megatron's interleaved 1F1B over v model chunks per rank
   kZeroBubbleH1,  // Qi et al.'s ZB-H1: 1F1B with backward split into B and W, W's deferred into bubbles
+  kZeroBubbleV,   // Qi et al.'s ZB-V: two chunks per rank in a V, B and W split, 1F1B's memory
+  kDualPipeV,     // DeepSeek's DualPipeV: DualPipe folded into a V; F of one chunk next to B of the other
 };
 
-// "gpipe", "1f1b", "interleaved", "zb-h1": the spelling of the command-line flag.
+// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev": the spelling of the
+// command-line flag.
 const char* schedule_kind_name(ScheduleKind kind);
-// "gpipe, 1f1b, interleaved or zb-h1": the names above, for help texts and errors.
+// "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev": the names above, for help texts
+// and errors.
 const char* schedule_kind_names();
 // Whether the schedule splits backward into backward_input and backward_weight actions.
 bool splits_backward(ScheduleKind kind);
 // Accepts those names, case-insensitively, and the aliases one_f_one_b, pipedream_flush,
-// interleaved_1f1b, zbh1 and zero_bubble_h1 ('-' and '_' alike); anything else fails
+// interleaved_1f1b, zbh1, zero_bubble_h1, zbv, zero_bubble_v and dual_pipe_v ('-' and '_'
+// alike); anything else fails
 // listing the valid names.
 // The one parser of schedule names: the trainer, its flags and the tools use it.
 ScheduleKind parse_schedule_kind(const std::string& name);
@@ -72,20 +80,39 @@ ScheduleKind parse_schedule_kind(const std::string& name);
 // command-line parser word the message).
 std::optional<ScheduleKind> find_schedule_kind(const std::string& name);
 
-// Megatron's placement of virtual stages on ranks.
-inline int64_t virtual_stage(int64_t chunk, int64_t rank, int64_t p) { return chunk * p + rank; }
-inline int64_t rank_of_virtual_stage(int64_t stage, int64_t p) { return stage % p; }
-inline int64_t chunk_of_virtual_stage(int64_t stage, int64_t p) { return stage / p; }
+// Where virtual stages live (see the top of this file).
+enum class ChunkLayout {
+  kLooped,  // stage chunk * p + rank (Megatron's; v = 1 is the plain pipeline)
+  kV,       // two chunks: rank r holds stages r and 2p - 1 - r
+};
+// kV for zb-v and dualpipev, kLooped for the others.
+ChunkLayout chunk_layout(ScheduleKind kind);
+const char* chunk_layout_name(ChunkLayout layout);  // "looped", "v"
+// The number of model chunks per rank a schedule runs: 2 for the V schedules, else `v`.
+int64_t chunks_per_rank(ScheduleKind kind, int64_t v);
 
-// Throws unless p >= 1, m >= 1, v >= 1, v == 1 for gpipe, 1f1b and zb-h1, and m a multiple
-// of p for interleaved (Megatron's micro-batch groups of p).
+// The placement of virtual stages on ranks, for p ranks (chunk < 2 under kV).
+inline int64_t virtual_stage(int64_t chunk, int64_t rank, int64_t p, ChunkLayout layout = ChunkLayout::kLooped) {
+  return layout == ChunkLayout::kV && chunk == 1 ? 2 * p - 1 - rank : chunk * p + rank;
+}
+inline int64_t rank_of_virtual_stage(int64_t stage, int64_t p, ChunkLayout layout = ChunkLayout::kLooped) {
+  return layout == ChunkLayout::kV && stage >= p ? 2 * p - 1 - stage : stage % p;
+}
+inline int64_t chunk_of_virtual_stage(int64_t stage, int64_t p, ChunkLayout layout = ChunkLayout::kLooped) {
+  return layout == ChunkLayout::kV ? (stage >= p ? 1 : 0) : stage / p;
+}
+
+// Throws unless p >= 1, m >= 1, v >= 1, v == 1 for gpipe, 1f1b and zb-h1, v == 2 for zb-v
+// and dualpipev (their V), m a multiple of p for interleaved (Megatron's micro-batch
+// groups of p), and m >= 2p for the V schedules (their warm-up fills the V).
 void check_schedule_args(ScheduleKind kind, int64_t p, int64_t m, int64_t v);
 
 // The ordered actions of `rank` (0 <= rank < p). A forward is preceded by the receive of
 // its input and followed by the send of its output; a backward (or a split backward's
 // input pass) is preceded by the receive of its output gradient and followed by the send
 // of its input gradient; a weight pass needs no transfer. When
-// consecutive virtual stages share a rank (p == 1) the tensor stays local: no p2p.
+// consecutive virtual stages share a rank (p == 1, or the turn of a V) the tensor stays
+// local: no p2p.
 // Sends are meant to be posted asynchronously (isend): a rank never waits for its send
 // to be received, only a recv waits for the matching send.
 std::vector<Action> build_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v, int64_t rank);

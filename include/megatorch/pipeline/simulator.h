@@ -63,21 +63,26 @@ struct SimulationResult {
 };
 
 // Simulates schedules[r] on rank r, with p = schedules.size() ranks, each holding
-// num_chunks model chunks. Throws, naming ranks and actions, when an action is malformed
+// num_chunks model chunks placed by `layout`. Throws, naming ranks and actions, when an action is malformed
 // (micro-batch, chunk or peer out of place), duplicated, when the lists deadlock, or when
 // at the end some (micro-batch, chunk) missed its forward or backward or a transfer was
 // never received.
 SimulationResult simulate(const std::vector<std::vector<Action>>& schedules, int64_t num_microbatches,
-                          int64_t num_chunks, const SimulatorOptions& options = {});
+                          int64_t num_chunks, const SimulatorOptions& options = {},
+                          ChunkLayout layout = ChunkLayout::kLooped);
 
-// simulate(build_schedules(kind, p, m, v), m, v, options).
+// simulate(build_schedules(kind, p, m, v), m, v, options, chunk_layout(kind)).
 SimulationResult simulate_schedule(ScheduleKind kind, int64_t p, int64_t m, int64_t v,
                                    const SimulatorOptions& options = {});
 
 // The published bubble (idle / busy per rank): Narayanan et al. 2021, (p-1)/m for GPipe
 // and 1F1B, (p-1)/(v*m) interleaved; Qi et al. 2023, (p-1)(F+B-W) / (m(F+B+W)) for ZB-H1
 // with the costs' split backward (B = backward_input_cost, W = backward_weight_cost),
-// which holds when W <= F and W <= B.
+// which holds when W <= F and W <= B. The V schedules (two chunks per rank, costs per
+// chunk, busy 2m(F+B+W)): ZB-V idles (p-1)F per rank, the first micro-batch's way down
+// the V, when F = B = W; DualPipeV idles DualPipe's (PP/2-1)(F&B+B-3W) with PP = 2p (the
+// DualPipe it folds) and F&B = F + B (run one after the other), when B = 2W and
+// B <= F <= B + W. Throws where the formula does not hold.
 Ratio formula_bubble_fraction(ScheduleKind kind, int64_t p, int64_t m, int64_t v, const SimulatorOptions& costs = {});
 
 }  // namespace megatorch::pipeline

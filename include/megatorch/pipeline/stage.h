@@ -1,7 +1,8 @@
 #pragma once
 // Stage: what the pipeline executor needs from this rank's model chunks, for any model.
 // With p pipeline ranks and v chunks per rank, chunk c of rank r is virtual stage
-// c·p + r. A chunk maps the activation received from the previous virtual stage (on the
+// c·p + r (the looped layout), or under the V layout of ZB-V and DualPipeV (v = 2) rank r
+// holds virtual stages r and 2p-1-r (schedule.h). A chunk maps the activation received from the previous virtual stage (on the
 // first virtual stage: the micro-batch's own tensors) to the activation it sends on; the
 // last virtual stage turns its output and the micro-batch's targets into a loss. GPT's
 // PipelineStage and ModuleStage (the user's own chunks) are the two implementations.
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "megatorch/models/unit_hooks.h"
+#include "megatorch/pipeline/schedule.h"
 #include "megatorch/pipeline/tied_parameters.h"
 
 namespace torch::nn {
@@ -59,6 +61,8 @@ class Stage {
   virtual int64_t pp_rank() const = 0;
   virtual int64_t pp_size() const = 0;
   virtual int64_t num_chunks() const = 0;
+  // How the chunks sit on the ranks: the schedule must match (kV for zb-v, dualpipev).
+  virtual ChunkLayout chunk_layout() const { return ChunkLayout::kLooped; }
   // The pipeline group's name ("" for a single stage).
   virtual const std::string& pipeline_group() const = 0;
   // Where activations live (and receive buffers are allocated).
@@ -107,11 +111,11 @@ class Stage {
   // averaged over DP x CP, is the whole sequence's. 1: the stage sees whole sequences.
   virtual int64_t context_parallel_size() const { return 1; }
 
-  bool is_first_virtual_stage(int64_t chunk) const { return chunk == 0 && pp_rank() == 0; }
-  bool is_last_virtual_stage(int64_t chunk) const {
-    return chunk == num_chunks() - 1 && pp_rank() == pp_size() - 1;
+  bool is_first_virtual_stage(int64_t chunk) const { return virtual_stage(chunk) == 0; }
+  bool is_last_virtual_stage(int64_t chunk) const { return virtual_stage(chunk) == pp_size() * num_chunks() - 1; }
+  int64_t virtual_stage(int64_t chunk) const {
+    return pipeline::virtual_stage(chunk, pp_rank(), pp_size(), chunk_layout());
   }
-  int64_t virtual_stage(int64_t chunk) const { return chunk * pp_size() + pp_rank(); }
 };
 
 }  // namespace megatorch::pipeline

@@ -7,6 +7,8 @@
 // each other.
 #include <ATen/Tensor.h>
 
+#include "megatorch/pipeline/schedule.h"
+
 #include <map>
 #include <string>
 #include <vector>
@@ -25,7 +27,8 @@ class TiedParameters {
   TiedParameters() = default;
   // `copies`: this rank's; `pp_group` "" for one pipeline rank. A collective over the
   // pipeline group when it has more than one rank.
-  TiedParameters(std::vector<TiedCopy> copies, const std::string& pp_group, int64_t num_chunks);
+  TiedParameters(std::vector<TiedCopy> copies, const std::string& pp_group, int64_t num_chunks,
+                 ChunkLayout layout = ChunkLayout::kLooped);
 
   bool empty() const { return copies_.empty() && ties_.empty(); }
   const std::vector<TiedCopy>& local_copies() const { return copies_; }
@@ -55,6 +58,7 @@ class TiedParameters {
   std::map<int64_t, Tie> ties_;
   std::string pp_group_;
   int64_t pp_rank_ = 0, pp_size_ = 1;
+  ChunkLayout layout_ = ChunkLayout::kLooped;
 };
 
 }  // namespace megatorch::pipeline
