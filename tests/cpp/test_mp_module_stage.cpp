@@ -106,15 +106,17 @@ std::vector<pipeline::MicroBatch> toy_batches(int64_t m, int64_t b, int64_t seed
   return out;
 }
 
-// This rank's chunks of the toy model: virtual stage s = c·p + rank owns kLayers/(p·v) blocks.
+// This rank's chunks of the toy model: virtual stage s (c·p + rank, or in a V: rank and
+// 2p-1-rank) owns kLayers/(p·v) blocks.
 pipeline::ModuleStage toy_stage(const std::string& tp_group, const std::string& pp_group, int64_t p, int64_t rank,
                                 int64_t v, pipeline::ModuleStageOptions o = pipeline::ModuleStageOptions(),
                                 int64_t seed = 7) {
+  const auto layout = o.chunk_layout();
   const int64_t per = kLayers / (p * v), stages = p * v;
   std::vector<torch::nn::AnyModule> chunks;
   std::vector<pipeline::TiedParameter> tied;
   for (int64_t c = 0; c < v; ++c) {
-    const int64_t s = c * p + rank;
+    const int64_t s = pipeline::virtual_stage(c, rank, p, layout);
     chunks.emplace_back(ToyChunk(s == 0, s == stages - 1, s * per, (s + 1) * per, tp_group, seed));
     if (stages > 1 && s == 0) tied.push_back({"proj", c, "proj"});
     if (stages > 1 && s == stages - 1) tied.push_back({"proj", c, "out"});
@@ -133,10 +135,12 @@ TEST_CASE("a user's model in its own chunks gives the single-rank loss and gradi
     Group tpg(*st, GroupKind::kTensor), ppg(*st, GroupKind::kPipeline);
     // zb-h1 splits the user's backward at its own layers (split_backward.h).
     for (auto kind : {pipeline::ScheduleKind::kGPipe, pipeline::ScheduleKind::kOneFOneB,
-                      pipeline::ScheduleKind::kInterleaved, pipeline::ScheduleKind::kZeroBubbleH1}) {
+                      pipeline::ScheduleKind::kInterleaved, pipeline::ScheduleKind::kZeroBubbleH1,
+                      pipeline::ScheduleKind::kZeroBubbleV, pipeline::ScheduleKind::kDualPipeV}) {
       for (bool declared : {false, true}) {
-        const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
-        const int64_t m = 2 * ppn;
+        const int64_t v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : pipeline::chunks_per_rank(kind, 1);
+        const bool vee = pipeline::chunk_layout(kind) == pipeline::ChunkLayout::kV;
+        const int64_t m = vee ? 2 * ppn + 1 : 2 * ppn;
         INFO(pipeline::schedule_kind_name(kind) << " tp=" << tpn << " pp=" << ppn << (declared ? " declared" : " inferred"));
         const auto mbs = toy_batches(m, 3, 40);
         ToyChunk full(true, true, 0, kLayers, "");
@@ -146,7 +150,7 @@ TEST_CASE("a user's model in its own chunks gives the single-rank loss and gradi
           l.backward();
           ref_loss += l.detach();
         }
-        auto o = pipeline::ModuleStageOptions();
+        auto o = pipeline::ModuleStageOptions().chunk_layout(pipeline::chunk_layout(kind));
         if (declared) {
           o.activation([](int64_t, const pipeline::MicroBatch& mb) {
             return pipeline::ActivationSpec{{mb.get("x").size(0), kHidden}, at::kFloat};
@@ -160,7 +164,7 @@ TEST_CASE("a user's model in its own chunks gives the single-rank loss and gradi
         for (const auto& a : pipeline::build_schedule(kind, ppn, m, v, ppg.rank())) sends += pipeline::is_send(a.kind);
         CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * 3 * kHidden * 4);
         stage->allreduce_tied_grads();
-        if (ppg.rank() == ppg.size() - 1) {
+        if (stage->is_last_virtual_stage(v - 1)) {  // rank 0 in a V
           REQUIRE(result.loss.defined());
           CHECK(torch::allclose(result.loss, ref_loss, 1e-5, 0));
         }

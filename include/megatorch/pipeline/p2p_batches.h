@@ -86,7 +86,12 @@ const char* recv_posting_name(RecvPosting posting);  // "before_consumer", "afte
 // two streams of messages in each direction (chunk 0's activations and chunk 1's
 // gradients go down; the others come up), and the receiver consumes them in another
 // order than the sender produces them: on one communicator NCCL would pair the wrong
-// tensors (verify_nccl_order shows the mismatch). Gloo pairs by tag and runs them.
+// tensors (verify_nccl_order shows the mismatch). Sending in the receiver's order fixes
+// the pairing but not the rendezvous: an NCCL send holds its rank's stream until the peer
+// posts the receive, and the V's crossing streams then wait on each other in a cycle
+// (with receives posted before their consumer or one round ahead alike). That needs the
+// two directions on separate communicators. Gloo pairs by tag, never blocks a send, and
+// runs them.
 std::string nccl_refusal(ScheduleKind kind);
 
 // The batched steps of one rank's action list (build_schedule's output): sends stay right
