@@ -385,10 +385,24 @@ void validate(TrainArguments& a, int64_t world) {
     a.virtual_chunks = per_stage / a.num_layers_per_virtual_pipeline_stage;
     MEGATORCH_CHECK(pp > 1, "gpt_pretrain: --num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1");
   }
+  const pipeline::ScheduleKind kind = pipeline::parse_schedule_kind(a.schedule);
+  if (pipeline::chunk_layout(kind) == pipeline::ChunkLayout::kV) {
+    // The V's two chunks per rank: each holds half of the rank's layers.
+    MEGATORCH_CHECK(a.num_layers_per_virtual_pipeline_stage == 0, "gpt_pretrain: --schedule ", a.schedule,
+                    " runs two chunks per stage in a V; drop --num-layers-per-virtual-pipeline-stage");
+    MEGATORCH_CHECK(a.num_layers % (2 * pp) == 0, "gpt_pretrain: --schedule ", a.schedule, " splits the model into 2 x ",
+                    pp, " = ", 2 * pp, " virtual stages; expected --num-layers to be a multiple of ", 2 * pp, ", got ",
+                    a.num_layers);
+    MEGATORCH_CHECK(a.num_micro_batches >= 2 * pp, "gpt_pretrain: --schedule ", a.schedule, " fills its V with 2 x ",
+                    "--pipeline-model-parallel-size micro-batches per step: expected at least ", 2 * pp, ", got ",
+                    a.num_micro_batches, "; raise --global-batch-size to ", 2 * pp * a.micro_batch_size * dp,
+                    " or more");
+    a.virtual_chunks = 2;
+  }
   MEGATORCH_CHECK(a.schedule != "interleaved" || a.virtual_chunks > 1,
                   "gpt_pretrain: --schedule interleaved needs --num-layers-per-virtual-pipeline-stage (v > 1 chunks per stage)");
-  MEGATORCH_CHECK(a.virtual_chunks == 1 || a.schedule == "interleaved", "gpt_pretrain: virtual pipeline stages run with "
-                  "--schedule interleaved, got --schedule ", a.schedule);
+  MEGATORCH_CHECK(a.virtual_chunks == 1 || a.schedule == "interleaved" || pipeline::chunk_layout(kind) == pipeline::ChunkLayout::kV,
+                  "gpt_pretrain: virtual pipeline stages run with --schedule interleaved, got --schedule ", a.schedule);
   MEGATORCH_CHECK(a.schedule != "interleaved" || a.num_micro_batches % pp == 0,
                   "gpt_pretrain: the interleaved schedule needs the micro-batches per step (", a.num_micro_batches,
                   ") to be a multiple of the pipeline size ", pp, "; change --global-batch-size");

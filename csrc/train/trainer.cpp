@@ -128,7 +128,8 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   stage_ = pipeline::PipelineStage(pipeline::PipelineStageOptions(config)
                                        .tp_group(loop_->tp_group())
                                        .pp_group(loop_->pp_group())
-                                       .virtual_chunks(args_.virtual_chunks));
+                                       .virtual_chunks(args_.virtual_chunks)
+                                       .chunk_layout(pipeline::chunk_layout(pipeline::parse_schedule_kind(args_.schedule))));
   MEGATORCH_CHECK(!args_.data_path.empty(), "gpt_pretrain: expected --data-path PREFIX (a Megatron .bin/.idx pair, e.g. "
                   "data/default/stdlib_docs_text_document); make one with build/bin/megatorch-preprocess");
   const int64_t eval_runs = args_.eval_interval > 0 ? args_.train_iters / args_.eval_interval + 1 : 1;

@@ -63,9 +63,14 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
   MEGATORCH_CHECK(!pipeline::splits_backward(schedule_kind_) || o.zero_stage() < 3, "TrainingLoop: the ", o.schedule(),
                   " schedule splits each backward into B and W, which ZeRO-3's per-unit parameter gathers do not "
                   "follow yet; got zero_stage 3. Use zero_stage 1 or 2 with it, or ZeRO-3 with 1f1b or interleaved");
-  MEGATORCH_CHECK(o.virtual_chunks() == 1 || schedule_kind_ == pipeline::ScheduleKind::kInterleaved,
-                  "TrainingLoop: virtual_chunks ",
-                  o.virtual_chunks(), " needs the interleaved schedule, got '", o.schedule(), "'");
+  if (pipeline::chunk_layout(schedule_kind_) == pipeline::ChunkLayout::kV) {
+    MEGATORCH_CHECK(o.virtual_chunks() == 2, "TrainingLoop: the ", o.schedule(), " schedule runs two chunks per rank ",
+                    "in a V; expected virtual_chunks 2, got ", o.virtual_chunks());
+  } else {
+    MEGATORCH_CHECK(o.virtual_chunks() == 1 || schedule_kind_ == pipeline::ScheduleKind::kInterleaved,
+                    "TrainingLoop: virtual_chunks ", o.virtual_chunks(), " needs the interleaved schedule, got '",
+                    o.schedule(), "'");
+  }
   auto pstate = parallel::ParallelStateOptions(o.tensor_parallel(), o.pipeline_parallel())
                     .context_parallel_size(o.context_parallel())
                     .expert_model_parallel_size(o.expert_parallel())
@@ -108,6 +113,11 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
                   "TrainingLoop::set_model: the loop runs pipeline size ", state_->pp_size(), " with ",
                   options_.virtual_chunks(), " chunks per rank, but the stage has ", stage->pp_size(), " and ",
                   stage->num_chunks(), "; build it on loop.pp_group() with virtual_chunks() chunks");
+  const pipeline::ChunkLayout layout = pipeline::chunk_layout(schedule_kind_);
+  MEGATORCH_CHECK(stage->chunk_layout() == layout, "TrainingLoop::set_model: the ", options_.schedule(),
+                  " schedule places chunks in the ", pipeline::chunk_layout_name(layout), " layout, but the stage was "
+                  "built in the ", pipeline::chunk_layout_name(stage->chunk_layout()), " layout; pass chunk_layout(",
+                  "pipeline::chunk_layout(kind)) to the stage's options");
   MEGATORCH_CHECK(stage->context_parallel_size() == state_->cp_size(), "TrainingLoop::set_model: the loop runs "
                   "context-parallel size ", state_->cp_size(), " but the stage splits sequences over ",
                   stage->context_parallel_size(), " ranks; build GPT's PipelineStage on a config whose "
@@ -253,8 +263,8 @@ bool TrainingLoop::step_optimizers() {
 // loss is c times its share of the sequence's (Stage::context_parallel_size), so the
 // mean over DP x CP is the DP mean of whole sequences.
 double TrainingLoop::reduce_loss(const at::Tensor& loss) {
-  const bool last = state_->pp_rank() == state_->pp_size() - 1;
-  at::Tensor l = at::tensor({last && loss.defined() ? loss.item<double>() : 0.0}, at::kDouble);
+  // Only the rank that holds the last virtual stage (the last rank, or rank 0 in a V) has it.
+  at::Tensor l = at::tensor({loss.defined() ? loss.item<double>() : 0.0}, at::kDouble);
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(l);
   comm::Group grads(grad_group());
   grads.all_reduce(l);

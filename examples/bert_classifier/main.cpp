@@ -85,7 +85,7 @@ int run(const Args& a) {
   // This rank's chunks, each built for its global layer range (examples::chunk_layers);
   // the first virtual stage adds the embeddings, the last the pooler and head.
   std::vector<torch::nn::AnyModule> chunks;
-  for (const examples::ChunkLayers& r : examples::chunk_layers(a.layers, a.pp, a.virtual_chunks, ps.pp_rank())) {
+  for (const examples::ChunkLayers& r : examples::chunk_layers(a.layers, a, ps.pp_rank())) {
     chunks.emplace_back(bert::BertChunk(bert::BertChunkOptions(config)
                                             .group(loop.tp_group())
                                             .layer_begin(r.begin)
@@ -106,6 +106,7 @@ int run(const Args& a) {
                                           .pp_group(loop.pp_group())
                                           .tp_group(loop.tp_group())
                                           .input("tokens")
+                                          .chunk_layout(examples::chunk_layout(a))
                                           .loss(loss)
                                           .rng(rng)  // saved and restored with checkpoints
                                           .device(loop.device()));

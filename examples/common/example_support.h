@@ -36,7 +36,8 @@ struct LoopFlags {
 inline void add_loop_flags(CLI::App& app, LoopFlags& f, const std::string& samples) {
   app.add_option("--tp", f.tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   app.add_option("--pp", f.pp, "pipeline-parallel size (dp = world / (tp·pp))")->check(CLI::PositiveNumber);
-  app.add_option("--virtual-chunks", f.virtual_chunks, "chunks per pipeline rank (with --schedule interleaved)");
+  app.add_option("--virtual-chunks", f.virtual_chunks,
+                 "chunks per pipeline rank (with --schedule interleaved; zb-v and dualpipev run 2 in a V)");
   app.add_option("--schedule", f.schedule, mt::pipeline::schedule_kind_names());
   app.add_option("--zero", f.zero, "ZeRO stage 0-3")->check(CLI::Range(0, 3));
   app.add_option("--device", f.device, "cpu | cuda | auto");
@@ -50,6 +51,14 @@ inline void add_loop_flags(CLI::App& app, LoopFlags& f, const std::string& sampl
   app.add_option("--log-json", f.log_json, "one JSON object per iteration");
 }
 
+// How the schedule places chunks on ranks, and how many each rank holds.
+inline mt::pipeline::ChunkLayout chunk_layout(const LoopFlags& f) {
+  return mt::pipeline::chunk_layout(mt::pipeline::parse_schedule_kind(f.schedule));
+}
+inline int64_t chunks_per_rank(const LoopFlags& f) {
+  return mt::pipeline::chunks_per_rank(mt::pipeline::parse_schedule_kind(f.schedule), f.virtual_chunks);
+}
+
 // The flags as loop options: the layout, the batch, and an LR warm-up over the first tenth
 // of the iterations (5 at most) followed by cosine decay to lr/10. The example adds what
 // depends on its model (tokens_per_sample, model_config, checkpoints).
@@ -57,7 +66,7 @@ inline mt::train::TrainingLoopOptions loop_options(const LoopFlags& f, const std
   return mt::train::TrainingLoopOptions()
       .tensor_parallel(f.tp)
       .pipeline_parallel(f.pp)
-      .virtual_chunks(f.virtual_chunks)
+      .virtual_chunks(chunks_per_rank(f))
       .schedule(f.schedule)
       .zero_stage(f.zero)
       .name(name)
@@ -107,13 +116,15 @@ struct ChunkLayers {
   bool first = false, last = false;  // the first / last virtual stage (embeddings / head)
 };
 
-// With p pipeline ranks and v chunks each, chunk c of rank r is virtual stage c·p + r and
-// owns the layers pipeline::split_layers (GPT's even split) gives that stage.
-inline std::vector<ChunkLayers> chunk_layers(int64_t layers, int64_t pp, int64_t virtual_chunks, int64_t pp_rank) {
+// This rank's chunks under the flags' schedule: with p pipeline ranks and v chunks each,
+// chunk c of rank r is virtual stage c·p + r (in a V: r and 2p-1-r) and owns the layers
+// pipeline::split_layers (GPT's even split) gives that stage.
+inline std::vector<ChunkLayers> chunk_layers(int64_t layers, const LoopFlags& f, int64_t pp_rank) {
+  const int64_t pp = f.pp, virtual_chunks = chunks_per_rank(f);
   const std::vector<int64_t> split = mt::pipeline::split_layers(layers, pp, virtual_chunks, {});
   std::vector<ChunkLayers> chunks;
   for (int64_t c = 0; c < virtual_chunks; ++c) {
-    const int64_t vs = c * pp + pp_rank;
+    const int64_t vs = mt::pipeline::virtual_stage(c, pp_rank, pp, chunk_layout(f));
     const int64_t begin = std::accumulate(split.begin(), split.begin() + vs, int64_t{0});
     chunks.push_back({begin, begin + split[vs], vs == 0, vs == pp * virtual_chunks - 1});
   }
@@ -138,8 +149,9 @@ struct HeldOut {
 };
 
 // loop.evaluate over `iters` batches of `source` with `acc` counting, then the accuracy
-// over every DP replica: each replica's last pipeline stage counts (its TP ranks all see
-// the same logits, so TP rank 0 alone reports), one all-reduce. Collective.
+// over every DP replica: each replica's last virtual stage counts (the only rank whose
+// loss runs; its TP ranks all see the same logits, so TP rank 0 alone reports), one
+// all-reduce. Collective.
 inline HeldOut evaluate_accuracy(mt::train::TrainingLoop& loop, Accuracy& acc, const mt::train::BatchSource& source,
                                  int64_t iters) {
   HeldOut out;
@@ -147,7 +159,7 @@ inline HeldOut evaluate_accuracy(mt::train::TrainingLoop& loop, Accuracy& acc, c
   out.loss = loop.evaluate(source, iters);
   acc.counting = false;
   const auto& ps = loop.parallel_state();
-  const bool reports = ps.pp_rank() == ps.pp_size() - 1 && ps.tp_rank() == 0;
+  const bool reports = ps.tp_rank() == 0;  // the other stages counted nothing
   at::Tensor counts = at::tensor({reports ? static_cast<double>(acc.correct) : 0.0,
                                   reports ? static_cast<double>(acc.total) : 0.0}, at::kDouble);
   mt::comm::Group(ps, mt::parallel::GroupKind::kWorld).all_reduce(counts);

@@ -77,7 +77,7 @@ int run(const Args& a) {
                     .device(loop.device());
 
   std::vector<torch::nn::AnyModule> chunks;
-  for (const examples::ChunkLayers& r : examples::chunk_layers(a.layers, a.pp, a.virtual_chunks, ps.pp_rank())) {
+  for (const examples::ChunkLayers& r : examples::chunk_layers(a.layers, a, ps.pp_rank())) {
     chunks.emplace_back(vit::ViTChunk(vit::ViTChunkOptions(config)
                                           .group(loop.tp_group())
                                           .image_size(a.image)
@@ -104,6 +104,7 @@ int run(const Args& a) {
                                           .pp_group(loop.pp_group())
                                           .tp_group(loop.tp_group())
                                           .input("pixels")
+                                          .chunk_layout(examples::chunk_layout(a))
                                           .loss(loss)
                                           .rng(rng)  // saved and restored with checkpoints
                                           .activation(activation)

@@ -29,7 +29,7 @@ struct TrainArguments {
   int64_t expert_tensor_parallel_size = 1;  // experts split over TP: 1 only (whole experts per rank)
   int64_t num_layers_per_virtual_pipeline_stage = 0;  // 0: no interleaving
   bool sequence_parallel = false;
-  std::string schedule = "1f1b";  // 1f1b | gpipe | interleaved
+  std::string schedule = "1f1b";  // 1f1b | gpipe | interleaved | zb-h1 | zb-v | dualpipev
   int64_t zero_stage = -1;        // -1: 1 with --use-distributed-optimizer, else 0
   bool use_distributed_optimizer = false;
   // Model

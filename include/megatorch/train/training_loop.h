@@ -65,7 +65,7 @@ struct TrainingLoopOptions {
   TORCH_ARG(int64_t, expert_parallel) = 1;
   TORCH_ARG(int64_t, expert_tensor_parallel) = 1;
   TORCH_ARG(int64_t, virtual_chunks) = 1;
-  TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1 (or an alias)
+  TORCH_ARG(std::string, schedule) = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1 | zb-v | dualpipev (or an alias)
   TORCH_ARG(int64_t, zero_stage) = 0;
   TORCH_ARG(std::string, name) = "model";
   TORCH_ARG(std::string, device) = "auto";   // auto | cpu | cuda | cuda:N

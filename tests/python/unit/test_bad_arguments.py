@@ -134,6 +134,7 @@ def test_schedule_names_are_the_pipelines():
     accepted schedules."""
     out = run(["--train-iters", "1", "--schedule", "chimera"])
     assert_refused(out, "--schedule")
-    assert "expected gpipe, 1f1b, interleaved or zb-h1, got 'chimera'" in out.stderr, out.stderr[-3000:]
+    assert "expected gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev, got 'chimera'" in out.stderr, \
+        out.stderr[-3000:]
     out = run(["--train-iters", "1", "--eval-iters", "0", "--schedule", "PipeDream-Flush"])
     assert out.returncode == 0, out.stderr[-3000:]

@@ -44,7 +44,8 @@ def losses(path):
 
 def test_same_losses_at_every_layout(tmp_path):
     """TP2 x PP2, DP4 with ZeRO-3, PP2 interleaved x DP2 with ZeRO-3, PP4, TP2 + SP x DP2
-    with ZeRO-2, PP2 zb-h1 x DP2 with ZeRO-2 and one rank: the same 20 losses (fp32, 1e-5)."""
+    with ZeRO-2, PP2 zb-h1 x DP2 with ZeRO-2, TP2 x PP2 zb-v with ZeRO-1, TP2 + SP x PP2
+    dualpipev with ZeRO-2 and one rank: the same 20 losses (fp32, 1e-5)."""
     runs = {
         "tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         "dp4zero3": (4, ["--zero-stage", "3"]),
@@ -59,6 +60,13 @@ def test_same_losses_at_every_layout(tmp_path):
         # the recomputed layers' weight gradients come in B.
         "pp2dp2zbh1zero2": (4, ["--pipeline-model-parallel-size", "2", "--schedule", "zb-h1", "--zero-stage", "2",
                                 "--recompute-granularity", "full"]),
+        # The V schedules: rank 0 holds the embedding and the head (the tie on one rank) and
+        # computes the loss; 4 micro-batches fill the V of two stages.
+        "tp2pp2zbvzero1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                               "--schedule", "zb-v", "--zero-stage", "1"]),
+        "tp2sppp2dualpipevzero2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--pipeline-model-parallel-size", "2", "--schedule", "dualpipev",
+                                       "--zero-stage", "2"]),
         "single": (1, []),
     }
     got = {}
@@ -70,7 +78,8 @@ def test_same_losses_at_every_layout(tmp_path):
         assert sorted(got[name]) == list(range(1, 21))
     ref = got["single"]
     assert ref[20] < ref[1]  # it learns
-    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3", "pp4zero1", "tp2spdp2zero2", "pp2dp2zbh1zero2"):
+    for name in ("tp2pp2", "dp4zero3", "pp2v2dp2zero3", "pp4zero1", "tp2spdp2zero2", "pp2dp2zbh1zero2",
+                 "tp2pp2zbvzero1", "tp2sppp2dualpipevzero2"):
         for it, loss in ref.items():
             assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
 
@@ -103,6 +112,10 @@ def fails_fast(base, args, message):
     (["--bf16", "--fp16"], "contradict"),
     (["--schedule", "zb-h1", "--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--lr-warmup-iters", "0"],
      "which ZeRO-3's per-unit parameter gathers do not follow yet; got zero_stage 3"),
+    (["--schedule", "zb-v", "--pipeline-model-parallel-size", "4", "--lr-warmup-iters", "0"],
+     "expected at least 8, got 4; raise --global-batch-size to 16 or more"),
+    (["--schedule", "dualpipev", "--pipeline-model-parallel-size", "2", "--num-layers", "6", "--lr-warmup-iters", "0"],
+     "expected --num-layers to be a multiple of 4, got 6"),
     (["--no-such-flag"], "--no-such-flag"),
     # No GPU on this machine: asking for one fails before anything connects (the warm-up
     # flag only makes the rest of this configuration valid).
@@ -226,9 +239,10 @@ def check_reload_matches(tmp_path, ckpt, layouts, saving, model=MODEL):
 
 def test_checkpoint_reshards_to_other_layouts(tmp_path):
     """Saved at TP2 x PP2 with 1f1b (4 ranks, ZeRO-1 optimizer state), loaded at TP1 x PP1,
-    TP4, DP2 x ZeRO-3 and PP4 with zb-h1: the same validation loss (1e-6), and two more
-    training steps give the losses the saving layout gives — the optimizer state was
-    resharded too, and the split-backward schedule continues the other's run."""
+    TP4, DP2 x ZeRO-3, PP4 with zb-h1 and PP2 with zb-v and with dualpipev (chunks in a V):
+    the same validation loss (1e-6), and two more training steps give the losses the saving
+    layout gives — the optimizer state was resharded too, and the split-backward schedules
+    continue the other's run."""
     ckpt = tmp_path / "ckpt"
     saving = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
     out, _ = torchrun(4, [*MODEL, "--train-iters", "4", *saving, "--save", str(ckpt)])
@@ -239,6 +253,8 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path):
         "tp4": (4, ["--tensor-model-parallel-size", "4"]),
         "dp2zero3": (2, ["--zero-stage", "3"]),
         "pp4zbh1": (4, ["--pipeline-model-parallel-size", "4", "--schedule", "zb-h1", "--zero-stage", "1"]),
+        "pp2zbv": (2, ["--pipeline-model-parallel-size", "2", "--schedule", "zb-v", "--zero-stage", "1"]),
+        "pp2dualpipev": (2, ["--pipeline-model-parallel-size", "2", "--schedule", "dualpipev"]),
     }
     check_reload_matches(tmp_path, ckpt, layouts, "tp2pp2")
 
