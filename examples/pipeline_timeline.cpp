@@ -48,7 +48,9 @@ pipeline::SimulatorOptions ticks_of(const std::map<pipeline::ActionKind, double>
   if (split) {
     o.backward_input_cost = ticks(pipeline::ActionKind::kBackwardInput);
     o.backward_weight_cost = ticks(pipeline::ActionKind::kBackwardWeight);
-    o.backward_cost = o.backward_input_cost + o.backward_weight_cost;
+    // DualPipeV runs some backwards whole: those are measured as they are.
+    o.backward_cost = cost.count(pipeline::ActionKind::kBackward) ? ticks(pipeline::ActionKind::kBackward)
+                                                                  : o.backward_input_cost + o.backward_weight_cost;
   } else {
     o.backward_cost = ticks(pipeline::ActionKind::kBackward);
   }
@@ -78,6 +80,7 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   try {
     const auto kind = pipeline::parse_schedule_kind(schedule);
+    if (app.count("--virtual-pipeline-model-parallel-size") == 0) v = pipeline::chunks_per_rank(kind, v);  // the V's 2
     parallel::ParallelState state(parallel::ParallelStateOptions(tp, pp).device("cpu"));
     const std::string pp_group = state.group_name(parallel::GroupKind::kPipeline);
     auto config = transformer::TransformerConfig()
@@ -89,7 +92,8 @@ int main(int argc, char** argv) {
     pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config)
                                       .tp_group(state.group_name(parallel::GroupKind::kTensor))
                                       .pp_group(pp_group)
-                                      .virtual_chunks(v));
+                                      .virtual_chunks(v)
+                                      .chunk_layout(pipeline::chunk_layout(kind)));
     std::vector<pipeline::MicroBatch> mbs;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(data_seed);
     for (int64_t i = 0; i < m; ++i) {
@@ -107,7 +111,7 @@ int main(int argc, char** argv) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stage->zero_grad();
       last = pipeline::gather_timeline(result, pp_group);
-      // The slowest rank's wall time is the step's; the loss lives on the last stage.
+      // The slowest rank's wall time is the step's; the loss lives on the last virtual stage's rank.
       const auto all = world.all_gather(at::tensor({seconds, result.loss.defined() ? result.loss.item<double>() : 0.0},
                                                    at::kDouble).view({1, 2}),
                                         0);
@@ -120,12 +124,15 @@ int main(int argc, char** argv) {
     const auto costs = mean_costs(measured);
     const auto ticks = ticks_of(costs, pipeline::splits_backward(kind));
     const auto predicted = pipeline::simulate_schedule(kind, pp, m, v, ticks).bubble_fraction;
-    // ZB-H1's formula assumes W <= F and W <= B; otherwise only the simulation predicts.
-    const bool formula_holds = !pipeline::splits_backward(kind) ||
-                               (ticks.backward_weight_cost <= ticks.forward_cost &&
-                                ticks.backward_weight_cost <= ticks.backward_input_cost);
-    const double formula =
-        formula_holds ? pipeline::formula_bubble_fraction(kind, pp, m, v, ticks).value() : std::nan("");
+    // The zero-bubble formulas hold only for some costs (formula_bubble_fraction says
+    // which); otherwise only the simulation predicts.
+    bool formula_holds = true;
+    double formula = std::nan("");
+    try {
+      formula = pipeline::formula_bubble_fraction(kind, pp, m, v, ticks).value();
+    } catch (const c10::Error&) {
+      formula_holds = false;
+    }
     // Per rank too: the first stage has no input gradient (its B is empty, its W the whole
     // backward) and the last adds the head and the loss.
     std::vector<std::map<pipeline::ActionKind, double>> rank_costs;

@@ -365,28 +365,33 @@ PipelineStepResult run_pipeline_step(Stage& stage, const std::vector<MicroBatch>
 }
 
 std::vector<TimelineRecord> gather_timeline(const PipelineStepResult& result, const std::string& pp_group) {
-  // Every rank runs the same number of compute actions (2·m·v, 3·m·v with a split backward;
-  // m·v forward only): one all-gather of [n, 5] doubles (kind, micro-batch, chunk, start,
-  // end) brings them all.
+  // Ranks run different numbers of compute actions where a schedule splits only some
+  // backwards (DualPipeV): each pads its [n, 5] doubles (kind, micro-batch, chunk, start,
+  // end) to the longest with kind -1, and one all-gather brings them all.
   const int64_t n = static_cast<int64_t>(result.timeline.size());
-  at::Tensor mine = at::empty({n, 5}, at::kDouble);
+  comm::Group pp(pp_group);
+  at::Tensor longest = at::tensor({n}, at::kLong);
+  if (pp.size() > 1) pp.all_reduce(longest, comm::ReduceOp::kMax);
+  const int64_t rows = longest.item<int64_t>();
+  at::Tensor mine = at::full({rows, 5}, -1.0, at::kDouble);
   for (int64_t i = 0; i < n; ++i) {
     const auto& r = result.timeline[i];
     mine[i] = at::tensor({static_cast<double>(r.action.kind), static_cast<double>(r.action.microbatch),
                           static_cast<double>(r.action.chunk), r.start, r.end},
                          at::kDouble);
   }
-  comm::Group pp(pp_group);
   const at::Tensor all = pp.size() > 1 ? pp.all_gather(mine, 0) : mine;
-  const double t0 = n ? all.select(1, 3).min().item<double>() : 0;
+  const at::Tensor real = all.select(1, 0) >= 0;
+  const double t0 = real.any().item<bool>() ? all.select(1, 3).masked_select(real).min().item<double>() : 0;
   std::vector<TimelineRecord> out;
   for (int64_t i = 0; i < all.size(0); ++i) {
     const auto row = all[i];
+    if (row[0].item<double>() < 0) continue;  // padding
     Action a;
     a.kind = static_cast<ActionKind>(row[0].item<int64_t>());
     a.microbatch = row[1].item<int64_t>();
     a.chunk = row[2].item<int64_t>();
-    out.push_back({i / std::max<int64_t>(n, 1), a, row[3].item<double>() - t0, row[4].item<double>() - t0});
+    out.push_back({i / std::max<int64_t>(rows, 1), a, row[3].item<double>() - t0, row[4].item<double>() - t0});
   }
   return out;
 }

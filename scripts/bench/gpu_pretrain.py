@@ -6,8 +6,10 @@
    configuration within 1e-4 (relative).
 2. shared_gpu: TP2 x PP2 as 4 processes on the one GPU (NCCL refuses two ranks on one
    device, so --device cuda:0 --distributed-backend gloo: Gloo with CUDA tensors), its
-   losses equal the same layout's CPU run within 1e-4; shared_gpu_zb_h1: the same under
-   --schedule zb-h1 (the split backward on CUDA) against the CPU's 1F1B.
+   losses equal the same layout's CPU run within 1e-4; shared_gpu_zb_h1, shared_gpu_zb_v and
+   shared_gpu_dualpipev: the same under --schedule zb-h1, zb-v and dualpipev (the split
+   backward and the V's in-place turn on CUDA; the V schedules run on Gloo only) against
+   the CPU's 1F1B.
 3. gpt_1p3b: one GPU, bf16, GPT ~1.3B (h 2048, 24 layers, 16 heads, seq 2048, vocabulary
    50304), the micro-batch halved from --micro-batch until it fits: steady-state
    tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure.
@@ -38,6 +40,9 @@ DATASHEET_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--vocab-size", "257", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
         "--lr-warmup-iters", "2", "--train-iters", "10", "--eval-iters", "0", "--seed", "11"]
+# The shared-GPU checks: result key -> schedule.
+SHARED = {"shared_gpu": "1f1b", "shared_gpu_zb_h1": "zb-h1", "shared_gpu_zb_v": "zb-v",
+          "shared_gpu_dualpipev": "dualpipev"}
 GPT_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
             "--vocab-size", "50304", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
             "--clip-grad", "1.0", "--seed", "1234"]
@@ -138,7 +143,7 @@ def measure_1p3b(binary, micro_batch, iters, deadline):
 
 def markdown(result, gpt_rows):
     lines = ["| check | result | detail |", "|---|---|---|"]
-    for key in ("parity", "shared_gpu", "shared_gpu_zb_h1"):
+    for key in ("parity", *SHARED):
         c = result.get(key, {"skipped": "not run"})  # a JSON from before the check existed
         if c.get("skipped"):
             lines.append(f"| {key} | skipped | {c['skipped']} |")
@@ -199,17 +204,15 @@ def main():
     result["parity"] = check_parity(binary, gpu, timeout=300)
     print("parity:", json.dumps({k: v for k, v in result["parity"].items() if k != "losses"}), flush=True)
     if gpu:
-        result["shared_gpu"] = check_shared_gpu(binary, timeout=300)
-        print("shared_gpu:", json.dumps({k: v for k, v in result["shared_gpu"].items() if k != "losses"}), flush=True)
-        result["shared_gpu_zb_h1"] = check_shared_gpu(binary, timeout=300, schedule="zb-h1")
-        print("shared_gpu_zb_h1:", json.dumps({k: v for k, v in result["shared_gpu_zb_h1"].items() if k != "losses"}),
-              flush=True)
+        for key, schedule in SHARED.items():
+            result[key] = check_shared_gpu(binary, timeout=300, schedule=schedule)
+            print(f"{key}:", json.dumps({k: v for k, v in result[key].items() if k != "losses"}), flush=True)
         result["gpt_1p3b"] = measure_1p3b(binary, a.micro_batch, a.iters, deadline)
         print("gpt_1p3b:", json.dumps(result["gpt_1p3b"])[:2000], flush=True)
     else:
-        for key in ("shared_gpu", "shared_gpu_zb_h1", "gpt_1p3b"):
+        for key in (*SHARED, "gpt_1p3b"):
             result[key] = {"skipped": "no GPU", "ok": True}
-    result["ok"] = all(result[k]["ok"] for k in ("parity", "shared_gpu", "shared_gpu_zb_h1", "gpt_1p3b"))
+    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "gpt_1p3b"))
     out.write_text(json.dumps(result, indent=2))
     table = markdown(result, gpt_rows)
     out.with_suffix(".md").write_text(table)

@@ -1,5 +1,5 @@
 """Pipeline schedules side by side on 4 CPU ranks (docs/pipeline.md, "Zero bubble:
-measured"): megatorch's 1F1B, interleaved (v = 2) and ZB-H1 next to
+measured"): megatorch's 1F1B, interleaved (v = 2), ZB-H1, ZB-V and DualPipeV next to
 torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV.
 
@@ -34,7 +34,7 @@ from machine_load import OtherLoad, wait_until_idle  # noqa: E402
 sys.path.insert(0, str(HERE))
 from bench_util import cpu_name  # noqa: E402
 
-MEGATORCH = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+MEGATORCH = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)]
 TORCH = ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
          "ScheduleDualPipeV"]
 P = 4
@@ -45,8 +45,8 @@ def run(cmd, out_json: Path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0 or not out_json.exists():
         # A rank's exception line ("[rank0]: ValueError: ..."), not the launcher's summary.
-        lines = [l.split("]: ", 1)[-1] for l in (done.stdout + done.stderr).splitlines()
-                 if l.startswith("[rank") and ("Error:" in l or "Exception:" in l)]
+        lines = [l.split("]: ", 1)[-1].split("] ", 1)[-1] for l in (done.stdout + done.stderr).splitlines()
+                 if l.startswith("[rank") and ("Error:" in l or "Exception:" in l or "megatorch:" in l)]
         return {"error": (lines[0] if lines else f"exit {done.returncode}")[:300]}
     return json.loads(out_json.read_text())
 
