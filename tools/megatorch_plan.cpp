@@ -24,6 +24,7 @@ struct Args {
   std::string model, precision = "bf16", calibration, calibrate_out = "megatorch_calibration.json";
   bool bf16 = false, fp16 = false, swiglu = false, no_bias = false, untie = false, sp = false, no_sp = false;
   std::string normalization = "LayerNorm", positions = "learned_absolute", recompute, cp_comm = "p2p", schedule;
+  std::string backend = "nccl";
   int64_t layers = 0, hidden = 0, heads = 0, groups = 0, ffn = 0, vocab = 0, seq = 0, divisible_by = 128;
   int64_t tp = 0, cp = 0, pp = 0, dp = 0, vpp = 0, mb = 0, top = 5;
   int zero = -1;
@@ -78,7 +79,7 @@ json moe_model_json(const mp::ModelSpec& m) {
 // The MoE layers of the stage with the most of them: the dispatch per step runs on those.
 int64_t most_moe_layers(const mp::ModelSpec& m, const mp::Layout& l) {
   int64_t most = 0;
-  for (int64_t r = 0; r < l.pp; ++r) most = std::max(most, mp::stage_layer_counts(m, l.pp, l.vpp, r).moe);
+  for (int64_t r = 0; r < l.pp; ++r) most = std::max(most, mp::stage_layer_counts(m, l, r).moe);
   return most;
 }
 
@@ -172,7 +173,7 @@ void print_moe_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
                 static_cast<long long>(m.num_experts / l.ep), static_cast<long long>(m.num_experts));
   }
   const auto& mem = c.memory;
-  const mp::LayerCounts n = mp::stage_layer_counts(m, l.pp, l.vpp, mem.stage);
+  const mp::LayerCounts n = mp::stage_layer_counts(m, l, mem.stage);
   const std::string shard = l.etp == 1 ? "" : ", the rank's 1/" + std::to_string(l.etp) + " shard of each";
   std::printf("  parameters per rank (stage %lld): %lld dense (ZeRO over DP x CP = %lld) + %lld in experts (%lld MoE "
               "layers x %lld of %lld experts x %lld%s; ZeRO over EDP = %lld)\n",
@@ -271,8 +272,8 @@ void print_cp_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
 }
 
 // The chosen layout's PP and micro-batches under each schedule: the bubble from the F, B and
-// W ticks (zb-h1's as the executor's NCCL batches allow, next to the simulator's), so the
-// choice can be seen; and the flags that run it.
+// W ticks (zb-h1's on NCCL as the executor's batches allow, next to the simulator's; the V's
+// per chunk of half a stage), so the choice can be seen; and the flags that run it.
 void print_schedule_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
   const mp::Layout& l = c.layout;
   if (l.pp == 1) {
@@ -280,9 +281,11 @@ void print_schedule_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
                 mp::gpt_pretrain_flags(r, l).c_str());
     return;
   }
-  std::printf("pipeline schedules at PP=%lld, %lld micro-batches (ticks per chunk: F forward, B input gradient, W "
-              "weight gradients; 1f1b and interleaved run B+W together):\n",
-              static_cast<long long>(l.pp), static_cast<long long>(l.num_microbatches(r.global_batch)));
+  std::printf("pipeline schedules at PP=%lld, %lld micro-batches, p2p over %s (ticks per chunk: F forward, B input "
+              "gradient, W weight gradients; 1f1b and interleaved run B+W together, dualpipev some; zb-v and "
+              "dualpipev hold two chunks of half a stage per rank in a V):\n",
+              static_cast<long long>(l.pp), static_cast<long long>(l.num_microbatches(r.global_batch)),
+              l.backend == mp::DistributedBackend::kGloo ? "Gloo" : "NCCL");
   for (const mp::ScheduleChoice& s : mp::schedule_choices(r, l)) {
     const char* name = megatorch::pipeline::schedule_kind_name(s.kind);
     const std::string vp = s.kind == megatorch::pipeline::ScheduleKind::kInterleaved
@@ -293,7 +296,7 @@ void print_schedule_explain(const mp::PlanRequest& r, const mp::Candidate& c) {
     }
     const auto& o = s.costs.options;
     const mp::Candidate& k = s.candidate;
-    // Where NCCL's rendezvous costs the schedule its simulated gain, both figures.
+    // Where NCCL's rendezvous costs the schedule its simulated gain (zb-h1 on NCCL), both figures.
     char sim[64] = "";
     if (k.time.simulated_bubble_fraction != k.time.bubble_fraction)
       std::snprintf(sim, sizeof sim, " (simulated %.4f)", k.time.simulated_bubble_fraction);
@@ -366,6 +369,7 @@ int run_plan(const Args& a, mp::PlanRequest r) {
     j["calibration"] = mp::to_json(r.calibration);
     j["global_batch_size"] = r.global_batch;
     j["precision"] = mp::to_string(r.precision);
+    j["distributed_backend"] = mp::to_string(r.backend);
     j["considered"] = res.considered;
     j["rejected_out_of_memory"] = res.too_big;
     j["fitting"] = res.ranked.size();
@@ -465,7 +469,12 @@ int main(int argc, char** argv) {
   app.add_option("--data-parallel-size", a.dp);
   app.add_option("--virtual-pipeline-model-parallel-size", a.vpp);
   app.add_option("--schedule", a.schedule,
-                 "pipeline schedule: 1f1b, interleaved (VP > 1) or zb-h1 (default: searched, zb-h1 next to 1f1b)");
+                 "pipeline schedule: 1f1b, interleaved (VP > 1), zb-h1, zb-v or dualpipev (the V two: Gloo only) "
+                 "(default: searched, zb-h1 next to 1f1b, and on Gloo zb-v and dualpipev)");
+  app.add_option("--distributed-backend", a.backend,
+                 "p2p backend of the pipeline, as gpt_pretrain's flag: nccl (GPUs) or gloo; zb-v and dualpipev run "
+                 "on gloo only, and zb-h1 is timed with NCCL's rendezvous on nccl")
+      ->capture_default_str();
   app.add_option("--zero-stage", a.zero, "0, 1, 2 or 3");
   app.add_option("--micro-batch-size", a.mb);
   app.add_option("--recompute-granularity", a.recompute, "none, selective or full");
@@ -560,6 +569,7 @@ int main(int argc, char** argv) {
     if (a.dp) r.dp = a.dp;
     if (a.vpp) r.vpp = a.vpp;
     if (!a.schedule.empty()) r.schedule = megatorch::pipeline::parse_schedule_kind(a.schedule);
+    r.backend = mp::parse_distributed_backend(a.backend);
     if (a.mb) r.micro_batch = a.mb;
     if (a.zero >= 0) r.zero_stage = a.zero;
     if (!a.recompute.empty()) r.recompute = megatorch::transformer::parse_recompute(a.recompute);

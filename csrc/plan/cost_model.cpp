@@ -183,10 +183,13 @@ LayerTimes layer_times(const LayerCost& lc, Recompute r) {
 
 StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
   const LayerCost lc = layer_cost(m, l, c, k, p);
-  const double layers_per_chunk = static_cast<double>(m.num_layers / (l.pp * l.vpp));
-  const double v = static_cast<double>(l.vpp), t = static_cast<double>(l.tp);
+  // The rank's chunks: vpp, or the V's two (each half a stage's layers).
+  const int64_t chunks = model_chunks(l);
+  const double layers_per_chunk = static_cast<double>(m.num_layers / (l.pp * chunks));
+  const double v = static_cast<double>(chunks), t = static_cast<double>(l.tp);
   const double peak = c.peak_tflops * 1e12;
-  // The last stage also runs the output head (its GEMM is [b s/c, h] x [h, V/t]).
+  // The last stage also runs the output head (its GEMM is [b s/c, h] x [h, V/t]), spread
+  // over the chunks of its rank (head_rank: the last rank, or rank 0 in a V).
   const double head = head_forward_flops(m, l.micro_batch) * padded_vocab(m, l.tp) / m.vocab_size / t /
                       static_cast<double>(l.cp) / (peak * k.matmul_efficiency_at(static_cast<double>(m.hidden_size)));
   double rec = 0, rec_tp = 0;
@@ -222,14 +225,14 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   };
   double slowest_chunk = -1, slowest_stage = -1;
   for (int64_t r = 0; r < l.pp; ++r) {
-    for (int64_t ch = 0; ch < l.vpp; ++ch) {
-      const LayerCounts n = chunk_layer_counts(m, l.pp, l.vpp, r, ch);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const LayerCounts n = chunk_layer_counts(m, l, r, ch);
       const double f = sum(n, &LayerTimes::forward), b = sum(n, &LayerTimes::backward);
       if (f + b <= slowest_chunk) continue;
       slowest_chunk = f + b, s.chunk_forward = f, s.chunk_backward = b;
       s.chunk_weight_grad = sum(n, &LayerTimes::weight_grad);
     }
-    const LayerCounts n = stage_layer_counts(m, l.pp, l.vpp, r);
+    const LayerCounts n = stage_layer_counts(m, l, r);
     const double busy = sum(n, &LayerTimes::forward) + sum(n, &LayerTimes::backward);
     if (busy <= slowest_stage) continue;
     slowest_stage = busy;
@@ -338,7 +341,7 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
                            const Calibration& k, const CostOptions& o) {
   const PipelineCosts pc = pipeline_costs(m, l, c, k, o);
   const auto sim =
-      pipeline::simulate_schedule(schedule_of(l), l.pp, l.num_microbatches(global_batch), l.vpp, pc.options);
+      pipeline::simulate_schedule(schedule_of(l), l.pp, l.num_microbatches(global_batch), model_chunks(l), pc.options);
   return predict_time(m, l, global_batch, c, k, o, pc, sim);
 }
 
@@ -360,16 +363,19 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   // busy) turns the busy seconds into the makespan.
   const pipeline::RankReport& first = sim.ranks.front();
   t.simulated_bubble_fraction = first.bubble.value();
-  t.bubble_fraction = schedule_of(l) == pipeline::ScheduleKind::kZeroBubbleH1
+  // NCCL holds zb-h1's B sends until the receiver gets there (the order model's bubble);
+  // Gloo never holds a send, so there the simulator's bubble is the executor's.
+  t.bubble_fraction = schedule_of(l) == pipeline::ScheduleKind::kZeroBubbleH1 && l.backend == DistributedBackend::kNccl
                           ? nccl_bubble_fraction(l.pp, l.num_microbatches(global_batch), pc.options)
                           : t.simulated_bubble_fraction;
-  const double busy = mb * l.vpp * (pc.chunk_forward + pc.chunk_backward);
+  const double busy = mb * static_cast<double>(model_chunks(l)) * (pc.chunk_forward + pc.chunk_backward);
   t.bubble = busy * t.bubble_fraction;
   t.pipeline = busy + t.bubble;
   t.peak_inflight_chunks = first.peak_inflight;
   // Gradient reduction after the last backward: reduce-scatter + all-gather (or all-reduce)
   // of the stage's gradients, 1.5x with ZeRO-3's parameter gathers (docs/reference.md).
   int64_t params = 0;
+  // Rank 0 holds the embedding (in a V the head too), the last rank the head looped.
   for (int64_t r : {int64_t{0}, l.pp - 1}) params = std::max(params, dense_params_per_rank(m, l, r));
   // Parameters are replicated over CP: the gradients are reduced over DP x CP.
   const double grad_bytes = static_cast<double>(params) * precision_bytes(o.precision).grad;

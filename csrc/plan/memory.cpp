@@ -133,13 +133,15 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Layout& l, const MemoryOp
   mem.dense_parameters = dense_params_per_rank(m, l, stage);
   mem.expert_parameters = expert_params_per_rank(m, l, stage);
   const double per_layer = activation_bytes_per_layer(m, l, o.activations);
-  // peak_inflight counts chunk activations: a chunk holds L / (pp * vpp) layers.
+  // peak_inflight counts chunk activations: a chunk holds L / (pp * chunks per rank) layers
+  // (vpp, or the V's two).
+  const int64_t per_rank = model_chunks(l);
   const double chunks = static_cast<double>(sim.ranks[stage].peak_inflight);
-  mem.inflight_microbatches = chunks / l.vpp;
+  mem.inflight_microbatches = chunks / static_cast<double>(per_rank);
   Layout none = l;
   none.recompute = Recompute::kNone;
   if (!m.is_moe()) {
-    mem.activations = per_layer * chunks * static_cast<double>(m.num_layers / (l.pp * l.vpp));
+    mem.activations = per_layer * chunks * static_cast<double>(m.num_layers / (l.pp * per_rank));
     // Backward rebuilds one layer's activations (full) or its attention core (selective).
     if (l.recompute != Recompute::kNone)
       mem.recompute_working = activation_bytes_per_layer(m, none, o.activations) - per_layer;
@@ -148,21 +150,21 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Layout& l, const MemoryOp
     // flight as often as the simulator says (exact at one chunk per stage, a bound beyond).
     const double per_moe = moe_activation_bytes_per_layer(m, l, o.activations);
     double fullest = 0;
-    for (int64_t c = 0; c < l.vpp; ++c) {
-      const LayerCounts n = chunk_layer_counts(m, l.pp, l.vpp, stage, c);
+    for (int64_t c = 0; c < per_rank; ++c) {
+      const LayerCounts n = chunk_layer_counts(m, l, stage, c);
       fullest = std::max(fullest, static_cast<double>(n.dense) * per_layer + static_cast<double>(n.moe) * per_moe);
     }
     mem.activations = fullest * chunks;
     if (l.recompute != Recompute::kNone) {
-      const LayerCounts n = stage_layer_counts(m, l.pp, l.vpp, stage);
+      const LayerCounts n = stage_layer_counts(m, l, stage);
       if (n.dense > 0) mem.recompute_working = activation_bytes_per_layer(m, none, o.activations) - per_layer;
       if (n.moe > 0)
         mem.recompute_working =
             std::max(mem.recompute_working, moe_activation_bytes_per_layer(m, none, o.activations) - per_moe);
     }
   }
-  // Each CP rank computes the loss of its own S/c tokens.
-  if (stage == l.pp - 1)
+  // Each CP rank computes the loss of its own S/c tokens, on the rank of the last virtual stage.
+  if (stage == head_rank(l))
     mem.logits = 4.0 * l.micro_batch * (m.seq_length / l.cp) * static_cast<double>(padded_vocab(m, l.tp) / l.tp);
   mem.reserved = o.reserved_bytes;
   return mem;
@@ -173,7 +175,7 @@ MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, int64_t glob
   const int64_t mb = l.num_microbatches(global_batch);
   pipeline::SimulatorOptions costs;
   costs.record_timeline = false;
-  return predict_memory(m, l, pipeline::simulate_schedule(schedule_of(l), l.pp, mb, l.vpp, costs), o);
+  return predict_memory(m, l, pipeline::simulate_schedule(schedule_of(l), l.pp, mb, model_chunks(l), costs), o);
 }
 
 MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, const pipeline::SimulationResult& sim,
@@ -184,8 +186,11 @@ MemoryBreakdown predict_memory(const ModelSpec& m, const Layout& l, const pipeli
   if (l.pp == 1) return first;
   MemoryBreakdown last = stage_memory(m, l, o, l.pp - 1, sim);
   MemoryBreakdown fullest = last.total() > first.total() ? last : first;
-  // With experts a middle stage may hold more MoE layers than the first and the last.
-  for (int64_t stage = 1; m.is_moe() && stage + 1 < l.pp; ++stage) {
+  // With experts a middle stage may hold more MoE layers than the first and the last. In a
+  // V rank 0 holds the embedding and the head, and the simulator's in-flight counts are
+  // per rank: every stage is looked at.
+  const bool every_stage = m.is_moe() || chunk_layout_of(l) == pipeline::ChunkLayout::kV;
+  for (int64_t stage = 1; every_stage && stage + 1 < l.pp; ++stage) {
     MemoryBreakdown mid = stage_memory(m, l, o, stage, sim);
     if (mid.total() > fullest.total()) fullest = mid;
   }

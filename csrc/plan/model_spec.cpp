@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/pipeline/p2p_batches.h"
 #include "megatorch/plan/moe.h"
 #include "megatorch/util/enum_names.h"
 
@@ -101,6 +102,12 @@ Precision parse_precision(const std::string& s) {
   return util::parse_enum(s, {Precision::kBf16, Precision::kFp16, Precision::kFp32, Precision::kMixed}, "precision");
 }
 
+const char* to_string(DistributedBackend b) { return b == DistributedBackend::kGloo ? "gloo" : "nccl"; }
+
+DistributedBackend parse_distributed_backend(const std::string& s) {
+  return util::parse_enum(s, {DistributedBackend::kNccl, DistributedBackend::kGloo}, "--distributed-backend");
+}
+
 int64_t activation_dtype_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 
 CpShare cp_share(const ModelSpec& m, int64_t cp) {
@@ -140,27 +147,45 @@ bool schedule_implied(const Layout& l) {
   return schedule_of(l) == schedule_of(plain);
 }
 
-std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage) {
+int64_t model_chunks(const Layout& l) { return pipeline::chunks_per_rank(schedule_of(l), l.vpp); }
+
+pipeline::ChunkLayout chunk_layout_of(const Layout& l) { return pipeline::chunk_layout(schedule_of(l)); }
+
+int64_t head_rank(const Layout& l) {
+  return pipeline::rank_of_virtual_stage(l.pp * model_chunks(l) - 1, l.pp, chunk_layout_of(l));
+}
+
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage,
+                           DistributedBackend backend) {
   using pipeline::ScheduleKind;
-  const bool zb = kind == ScheduleKind::kZeroBubbleH1;
+  const bool split = pipeline::splits_backward(kind);
+  const bool v_shape = pipeline::chunk_layout(kind) == pipeline::ChunkLayout::kV;
+  const char* name = pipeline::schedule_kind_name(kind);
   std::ostringstream os;
   if (kind == ScheduleKind::kGPipe)
-    os << "the planner models the 1f1b, interleaved and zb-h1 schedules, got gpipe (it holds every micro-batch's "
-          "activations for 1f1b's bubble); use --schedule 1f1b";
-  else if ((kind == ScheduleKind::kOneFOneB || zb) && vpp > 1)
-    os << "the " << pipeline::schedule_kind_name(kind) << " schedule runs one model chunk per stage: expected VP=1, "
+    os << "the planner models the 1f1b, interleaved, zb-h1, zb-v and dualpipev schedules, got gpipe (it holds every "
+          "micro-batch's activations for 1f1b's bubble); use --schedule 1f1b";
+  else if (v_shape && backend == DistributedBackend::kNccl)
+    os << "the executor refuses " << name << " on NCCL (--distributed-backend nccl): " << pipeline::nccl_refusal(kind)
+       << ". Plan it with --distributed-backend gloo, or plan --schedule zb-h1 on NCCL";
+  else if ((kind == ScheduleKind::kOneFOneB || kind == ScheduleKind::kZeroBubbleH1) && vpp > 1)
+    os << "the " << name << " schedule runs one model chunk per stage: expected VP=1, "
        << "got VP=" << vpp << "; use --schedule interleaved for virtual stages, or "
        << "--virtual-pipeline-model-parallel-size 1";
+  else if (v_shape && vpp > 1)
+    os << "the " << name << " schedule runs two model chunks per stage in a V, which the schedule implies: expected "
+       << "VP=1, got VP=" << vpp << "; give --virtual-pipeline-model-parallel-size 1 (or leave it out), or use "
+       << "--schedule interleaved for virtual stages";
   else if (kind == ScheduleKind::kInterleaved && vpp == 1)
     os << "the interleaved schedule runs several model chunks per stage: expected VP > 1, got VP=1; give "
           "--virtual-pipeline-model-parallel-size 2 or more, or use --schedule 1f1b";
-  else if (zb && pp == 1)
-    os << "the zb-h1 schedule fills the bubbles of a pipeline: expected PP > 1, got PP=1; use --schedule 1f1b or a "
-          "--pipeline-model-parallel-size > 1";
-  else if (zb && zero_stage == 3)
-    os << "the zb-h1 schedule splits each backward into B and W, which ZeRO-3's parameter gathers do not follow "
-          "(TrainingLoop refuses them together): expected ZeRO stage 0, 1 or 2, got ZeRO-3; use --zero-stage 1 or 2, "
-          "or --schedule 1f1b";
+  else if (split && pp == 1)
+    os << "the " << name << " schedule fills the bubbles of a pipeline: expected PP > 1, got PP=1; use --schedule "
+       << "1f1b or a --pipeline-model-parallel-size > 1";
+  else if (split && zero_stage == 3)
+    os << "the " << name << " schedule splits each backward into B and W, which ZeRO-3's parameter gathers do not "
+       << "follow (TrainingLoop refuses them together): expected ZeRO stage 0, 1 or 2, got ZeRO-3; use --zero-stage "
+       << "1 or 2, or --schedule 1f1b";
   return os.str();
 }
 
@@ -194,8 +219,13 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
     os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
   else if (l.vpp > 1 && l.pp == 1)
     os << "virtual pipeline stages need PP > 1";
-  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp, l.zero_stage); !e.empty())
+  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp, l.zero_stage, l.backend); !e.empty())
     os << e;
+  else if (chunk_layout_of(l) == pipeline::ChunkLayout::kV && m.num_layers % (2 * l.pp))
+    os << "the " << pipeline::schedule_kind_name(schedule_of(l)) << " schedule splits the model into 2 x PP = "
+       << 2 * l.pp << " virtual stages (two chunks per rank in a V): expected the " << m.num_layers
+       << " layers divisible by " << 2 * l.pp << ", got a remainder of " << m.num_layers % (2 * l.pp)
+       << "; pick a PP with 2 x PP dividing the layers, or --schedule zb-h1";
   else if (!m.is_moe() && l.ep != 1)
     os << "expected --expert-model-parallel-size 1 for a dense model, got EP=" << l.ep
        << "; give --num-experts to plan a mixture of experts";
@@ -228,6 +258,11 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
   else if (global_batch % (l.micro_batch * l.dp))
     os << "the global batch " << global_batch << " is not divisible by micro-batch * DP = " << l.micro_batch << "*"
        << l.dp;
+  else if (chunk_layout_of(l) == pipeline::ChunkLayout::kV && l.num_microbatches(global_batch) < 2 * l.pp)
+    os << "the " << pipeline::schedule_kind_name(schedule_of(l)) << " schedule fills its V with 2 x PP micro-batches: "
+       << "expected at least " << 2 * l.pp << " micro-batches per step, got " << l.num_microbatches(global_batch)
+       << " (global batch " << global_batch << " / (micro-batch " << l.micro_batch << " x DP " << l.dp
+       << ")); raise --global-batch-size to " << 2 * l.pp * l.micro_batch * l.dp << " or more, or use --schedule zb-h1";
   else if (l.vpp > 1 && l.num_microbatches(global_batch) % l.pp)
     os << "the interleaved schedule needs the micro-batches per step (" << l.num_microbatches(global_batch)
        << ") to be a multiple of PP (" << l.pp << ")";
@@ -287,16 +322,22 @@ int64_t total_params(const ModelSpec& m) {
 
 int64_t dense_params_per_rank(const ModelSpec& m, const Layout& l, int64_t pp_rank) {
   const int64_t tp = l.tp, pp = l.pp;
-  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && l.vpp >= 1 && pp_rank >= 0 && pp_rank < pp && m.num_layers % (pp * l.vpp) == 0,
-                  "params_per_rank: expected 0 <= pp_rank < pp and pp x vpp dividing the layers, got tp=", tp,
-                  " pp=", pp, " vpp=", l.vpp, " pp_rank=", pp_rank, " layers=", m.num_layers);
+  const int64_t chunks = l.vpp >= 1 ? model_chunks(l) : 0;
+  MEGATORCH_CHECK(tp >= 1 && pp >= 1 && chunks >= 1 && pp_rank >= 0 && pp_rank < pp &&
+                      m.num_layers % (pp * chunks) == 0,
+                  "params_per_rank: expected 0 <= pp_rank < pp and pp x (chunks per rank) dividing the layers, got tp=",
+                  tp, " pp=", pp, " chunks=", chunks, " pp_rank=", pp_rank, " layers=", m.num_layers);
   const int64_t h = m.hidden_size, vocab_shard = padded_vocab(m, tp) / tp * h;
-  const LayerCounts layers = stage_layer_counts(m, pp, l.vpp, pp_rank);
+  const LayerCounts layers = stage_layer_counts(m, l, pp_rank);
   int64_t n = layers.dense * layer_params_per_tp_rank(m, tp) + layers.moe * moe_layer_dense_params_per_tp_rank(m, tp);
+  // Virtual stage 0 (the embedding) is rank 0's whatever the layout; the last one (final
+  // norm, output layer) is head_rank's: the last rank, or rank 0 again in a V.
   if (pp_rank == 0) n += vocab_shard + (m.learned_positions ? m.seq_length * h : 0);
-  if (pp_rank == pp - 1) {
+  if (pp_rank == head_rank(l)) {
     n += final_norm_params(m);
-    if (!m.tie_embeddings || pp > 1) n += vocab_shard;  // untied head, or the tied copy on the last stage
+    // Untied, or tied across chunks: PipelineStage builds the head as its own copy of the
+    // embedding whenever they are different chunks, on one rank (a V) or two.
+    if (!m.tie_embeddings || pp * chunks > 1) n += vocab_shard;
   }
   return n;
 }

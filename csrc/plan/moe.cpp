@@ -16,22 +16,33 @@ LayerCounts count_layers(const ModelSpec& m, int64_t begin, int64_t end) {
 
 int64_t num_moe_layers(const ModelSpec& m) { return count_layers(m, 0, m.num_layers).moe; }
 
-LayerCounts chunk_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank, int64_t chunk) {
+LayerCounts chunk_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank, int64_t chunk,
+                               pipeline::ChunkLayout layout) {
   MEGATORCH_CHECK(pp >= 1 && vpp >= 1 && pp_rank >= 0 && pp_rank < pp && chunk >= 0 && chunk < vpp &&
-                      m.num_layers % (pp * vpp) == 0,
-                  "chunk_layer_counts: expected 0 <= pp_rank < pp, 0 <= chunk < vpp and pp x vpp dividing the ",
-                  m.num_layers, " layers, got pp=", pp, " vpp=", vpp, " pp_rank=", pp_rank, " chunk=", chunk);
-  const int64_t per_chunk = m.num_layers / (pp * vpp), stage = chunk * pp + pp_rank;
+                      m.num_layers % (pp * vpp) == 0 && (layout == pipeline::ChunkLayout::kLooped || vpp == 2),
+                  "chunk_layer_counts: expected 0 <= pp_rank < pp, 0 <= chunk < vpp, pp x vpp dividing the ",
+                  m.num_layers, " layers and vpp = 2 in a V, got pp=", pp, " vpp=", vpp, " pp_rank=", pp_rank,
+                  " chunk=", chunk, " layout=", pipeline::chunk_layout_name(layout));
+  const int64_t per_chunk = m.num_layers / (pp * vpp), stage = pipeline::virtual_stage(chunk, pp_rank, pp, layout);
   return count_layers(m, stage * per_chunk, (stage + 1) * per_chunk);
 }
 
-LayerCounts stage_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank) {
+LayerCounts stage_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank,
+                               pipeline::ChunkLayout layout) {
   LayerCounts total;
   for (int64_t c = 0; c < vpp; ++c) {
-    const LayerCounts one = chunk_layer_counts(m, pp, vpp, pp_rank, c);
+    const LayerCounts one = chunk_layer_counts(m, pp, vpp, pp_rank, c, layout);
     total.dense += one.dense, total.moe += one.moe;
   }
   return total;
+}
+
+LayerCounts chunk_layer_counts(const ModelSpec& m, const Layout& l, int64_t pp_rank, int64_t chunk) {
+  return chunk_layer_counts(m, l.pp, model_chunks(l), pp_rank, chunk, chunk_layout_of(l));
+}
+
+LayerCounts stage_layer_counts(const ModelSpec& m, const Layout& l, int64_t pp_rank) {
+  return stage_layer_counts(m, l.pp, model_chunks(l), pp_rank, chunk_layout_of(l));
 }
 
 int64_t params_per_expert(const ModelSpec& m) { return params_per_expert_shard(m, 1); }
@@ -57,7 +68,7 @@ int64_t expert_params_per_rank(const ModelSpec& m, const Layout& l, int64_t pp_r
   if (!m.is_moe()) return 0;
   MEGATORCH_CHECK(l.ep >= 1 && m.num_experts % l.ep == 0, "expert_params_per_rank: expected --num-experts (",
                   m.num_experts, ") divisible by --expert-model-parallel-size (", l.ep, ")");
-  return stage_layer_counts(m, l.pp, l.vpp, pp_rank).moe * (m.num_experts / l.ep) * params_per_expert_shard(m, l.etp);
+  return stage_layer_counts(m, l, pp_rank).moe * (m.num_experts / l.ep) * params_per_expert_shard(m, l.etp);
 }
 
 double effective_imbalance_margin(const ModelSpec& m, int64_t ep) {

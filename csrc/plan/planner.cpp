@@ -27,11 +27,11 @@ using SimKey = std::tuple<ScheduleKind, int64_t, int64_t, int64_t, int64_t, int6
 const pipeline::SimulationResult& simulate_cached(std::map<SimKey, pipeline::SimulationResult>& cache,
                                                   const Layout& l, int64_t m, const PipelineCosts& pc) {
   const pipeline::SimulatorOptions& o = pc.options;
-  const SimKey key{schedule_of(l), l.pp, m, l.vpp, o.forward_cost, o.backward_cost, o.backward_input_cost,
+  const SimKey key{schedule_of(l), l.pp, m, model_chunks(l), o.forward_cost, o.backward_cost, o.backward_input_cost,
                    o.backward_weight_cost};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  return cache.emplace(key, pipeline::simulate_schedule(schedule_of(l), l.pp, m, l.vpp, o)).first->second;
+  return cache.emplace(key, pipeline::simulate_schedule(schedule_of(l), l.pp, m, model_chunks(l), o)).first->second;
 }
 
 CostOptions cost_options(const PlanRequest& r) {
@@ -40,12 +40,31 @@ CostOptions cost_options(const PlanRequest& r) {
   return co;
 }
 
-// Why the search leaves out a valid layout ("" when it does not): zb-h1 with no W to defer
-// runs 1F1B's timeline with every stage holding min(p, m) micro-batches.
+// Why the search leaves out a valid layout ("" when it does not): a split backward (zb-h1,
+// zb-v, dualpipev) with no W to defer. zb-h1 then runs 1F1B's timeline with every stage
+// holding min(p, m) micro-batches; the V's order is built around deferred W's that full
+// recompute does not have (it would be simulated with W as 1 tick taken from B).
 std::string without_gain(const Layout& l, const PipelineCosts& pc) {
-  if (schedule_of(l) != ScheduleKind::kZeroBubbleH1 || pc.backward_weight_ticks > 0) return "";
-  return "no weight gradients to defer (W = 0 ticks: full recompute computes them inside B), so 1f1b's time with "
-         "more activations in flight; use --schedule 1f1b";
+  const ScheduleKind kind = schedule_of(l);
+  if (!pipeline::splits_backward(kind) || pc.backward_weight_ticks > 0) return "";
+  if (kind == ScheduleKind::kZeroBubbleH1)
+    return "no weight gradients to defer (W = 0 ticks: full recompute computes them inside B), so 1f1b's time with "
+           "more activations in flight; use --schedule 1f1b";
+  return std::string("no weight gradients to defer (W = 0 ticks: full recompute computes them inside B), which ") +
+         pipeline::schedule_kind_name(kind) + "'s order is built on; use --schedule 1f1b or interleaved, or fix " +
+         "--schedule " + pipeline::schedule_kind_name(kind) + " to plan it with W as 1 tick";
+}
+
+// The schedules the planner models, in the order ties are broken and --explain lists them:
+// plain 1F1B (interleaved at VP > 1) first, the split backwards after it, the V last.
+std::vector<ScheduleKind> modelled_schedules() {
+  return {ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleV,
+          ScheduleKind::kDualPipeV};
+}
+int schedule_order(ScheduleKind kind) {
+  if (kind == ScheduleKind::kInterleaved) kind = ScheduleKind::kOneFOneB;  // one schedule, told apart by VP
+  const auto all = modelled_schedules();
+  return static_cast<int>(std::find(all.begin(), all.end(), kind) - all.begin());
 }
 
 Candidate evaluate_cached(const PlanRequest& r, const Layout& l, std::map<SimKey, pipeline::SimulationResult>& cache) {
@@ -132,7 +151,7 @@ PlanResult plan(const PlanRequest& r) {
     // A fixed schedule against the fixed knobs, named before any layout is tried; the searched
     // VP sizes are those it runs with (2 stages and ZeRO 0 stand in for unfixed ones).
     const auto conflict = [&](int64_t v) {
-      return schedule_error(*r.schedule, r.pp.value_or(2), v, r.zero_stage.value_or(0));
+      return schedule_error(*r.schedule, r.pp.value_or(2), v, r.zero_stage.value_or(0), r.backend);
     };
     vpps.erase(std::remove_if(vpps.begin(), vpps.end(), [&](int64_t v) { return !conflict(v).empty(); }), vpps.end());
     const std::string e = conflict(r.vpp.value_or(vpps.empty() ? 1 : vpps.front()));
@@ -145,10 +164,12 @@ PlanResult plan(const PlanRequest& r) {
       r.recompute ? std::vector<Recompute>{*r.recompute}
                   : std::vector<Recompute>{Recompute::kNone, Recompute::kSelective, Recompute::kFull};
 
-  // Searched: 1F1B (interleaved at VP > 1, schedule_of) and next to it zb-h1.
-  const std::vector<ScheduleKind> kinds =
-      r.schedule ? std::vector<ScheduleKind>{*r.schedule}
-                 : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1};
+  // Searched: 1F1B (interleaved at VP > 1, schedule_of) and next to it zb-h1, and on Gloo
+  // zb-v and dualpipev (the executor refuses them on NCCL).
+  std::vector<ScheduleKind> kinds{ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1};
+  if (r.backend == DistributedBackend::kGloo)
+    kinds.insert(kinds.end(), {ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV});
+  if (r.schedule) kinds = {*r.schedule};
   PlanResult result;
   std::map<SimKey, pipeline::SimulationResult> cache;
   const MemoryOptions mo = memory_options(r);
@@ -157,8 +178,8 @@ PlanResult plan(const PlanRequest& r) {
   double smallest_bound = 0;
   // One layout: refused (kept as an example of why), or screened and simulated against the
   // memory, and ranked if it fits.
-  // `optional`: a searched zb-h1 next to its 1F1B layout, left out silently where it cannot
-  // run or gains nothing.
+  // `optional`: a searched zb-h1, zb-v or dualpipev next to its 1F1B layout, left out
+  // silently where it cannot run or gains nothing.
   const auto consider = [&](const Layout& l, bool example, bool optional) {
     const std::string err = layout_error(r.model, l, n, r.global_batch);
     if (!err.empty()) {
@@ -169,7 +190,8 @@ PlanResult plan(const PlanRequest& r) {
     if (optional && !without_gain(l, pipeline_costs(r.model, l, c, r.calibration, cost_options(r))).empty()) return;
     ++result.considered;
     // Screen before simulating: the exact static bytes plus the 1F1B in-flight
-    // activations are a lower bound (interleaving and zb-h1 only add to them).
+    // activations are a lower bound (interleaving, zb-h1 and the V only add to them: the V
+    // holds 2p or 2p+1 chunks of half a stage on every rank).
     double per_layer = activation_bytes_per_layer(r.model, l, mo.activations);
     if (moe && num_moe_layers(r.model) == r.model.num_layers)
       per_layer = moe_activation_bytes_per_layer(r.model, l, mo.activations);
@@ -231,8 +253,9 @@ PlanResult plan(const PlanRequest& r) {
                         if (moe && zero == 3 && !r.zero_stage) continue;
                         Layout l{tp, pp, dp, v, zero, b, rc, sp, cp, r.cp_comm_type, ep, etp};
                         l.schedule = kind;
+                        l.backend = r.backend;
                         // A searched CP > 1 that does not fit the model is no example of what was fixed.
-                        consider(l, cp == 1 || r.cp, !r.schedule && kind == ScheduleKind::kZeroBubbleH1);
+                        consider(l, cp == 1 || r.cp, !r.schedule && kind != ScheduleKind::kOneFOneB);
                       }
       }
   if (result.considered == 0) {
@@ -257,9 +280,9 @@ PlanResult plan(const PlanRequest& r) {
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const Candidate& a, const Candidate& b) {
     if (a.time.step != b.time.step) return a.time.step < b.time.step;
     if (a.memory.total() != b.memory.total()) return a.memory.total() < b.memory.total();
-    // The same time and memory: the schedule without split backward passes.
-    const auto zb = [](const Candidate& x) { return schedule_of(x.layout) == ScheduleKind::kZeroBubbleH1; };
-    return !zb(a) && zb(b);
+    // The same time and memory: the schedule without split backward passes, then zb-h1
+    // before the V.
+    return schedule_order(schedule_of(a.layout)) < schedule_order(schedule_of(b.layout));
   });
   return result;
 }
@@ -292,11 +315,12 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
 
 std::vector<ScheduleChoice> schedule_choices(const PlanRequest& r, const Layout& chosen) {
   std::vector<ScheduleChoice> out;
-  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1}) {
+  for (ScheduleKind kind : modelled_schedules()) {
     ScheduleChoice c;
     c.kind = kind;
     c.layout = chosen;
     c.layout.schedule = kind;
+    // The V's two chunks come with the schedule: VP 1 as for 1f1b and zb-h1.
     c.layout.vpp = kind == ScheduleKind::kInterleaved ? std::max<int64_t>(chosen.vpp, 2) : 1;
     c.error = layout_error(r.model, c.layout, r.cluster.gpus(), r.global_batch);
     if (c.error.empty()) {
@@ -323,6 +347,8 @@ std::string gpt_pretrain_flags(const PlanRequest& r, const Layout& l) {
   if (l.recompute != Recompute::kNone) os << " --recompute-granularity " << transformer::to_string(l.recompute);
   if (l.sequence_parallel) os << " --sequence-parallel";
   if (!schedule_implied(l)) os << " --schedule " << pipeline::schedule_kind_name(schedule_of(l));
+  // gpt_pretrain picks NCCL for GPU tensors unless told otherwise.
+  if (l.backend == DistributedBackend::kGloo) os << " --distributed-backend gloo";
   if (r.precision == Precision::kBf16) os << " --bf16";
   if (r.precision == Precision::kFp16) os << " --fp16";
   return os.str();

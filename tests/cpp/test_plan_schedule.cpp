@@ -1,12 +1,15 @@
 // megatorch::plan's pipeline schedules: zb-h1 next to 1F1B. Its B and W ticks (W: the chunk's
 // weight GEMMs, 0 under full recompute), its bubble against Qi et al.'s formula, the search
 // choosing it where it is faster and leaving it out where it cannot run or gains nothing;
-// 1F1B and interleaved as before.
+// 1F1B and interleaved as before. ZB-V and DualPipeV on Gloo (refused on NCCL): chunks of half
+// a stage, the simulator's bubble and in-flight chunks, rank 0 holding the embedding and the
+// head, and what they need.
 #include <catch2/catch.hpp>
 #include <megatorch/pipeline/nccl_order_model.h>
 
 #include <cmath>
 
+#include "megatorch/plan/moe.h"
 #include "megatorch/plan/planner.h"
 
 using namespace megatorch;
@@ -37,6 +40,13 @@ PlanRequest pp4_request(int64_t global_batch, Recompute recompute) {
 Layout pp4(Recompute recompute, ScheduleKind schedule = ScheduleKind::kOneFOneB) {
   Layout l{1, 4, 2, 1, 1, 1, recompute, false};
   l.schedule = schedule;
+  return l;
+}
+
+// pp4 under a V schedule on Gloo: 3 layers a chunk, rank r holding virtual stages r and 7-r.
+Layout pp4_v(ScheduleKind schedule, Recompute recompute = Recompute::kNone) {
+  Layout l = pp4(recompute, schedule);
+  l.backend = DistributedBackend::kGloo;
   return l;
 }
 
@@ -173,7 +183,7 @@ TEST_CASE("With full recompute W is 0: zb-h1 is not proposed and 1F1B is kept", 
   CHECK(schedule_of(res.ranked[0].layout) == ScheduleKind::kOneFOneB);
   // The explanation says why.
   const auto choices = schedule_choices(r, res.ranked[0].layout);
-  REQUIRE(choices.size() == 3);
+  REQUIRE(choices.size() == 5);
   CHECK(choices[2].kind == ScheduleKind::kZeroBubbleH1);
   CHECK_THAT(choices[2].error, Catch::Contains("W = 0 ticks"));
   // Asked for, it is planned all the same (W runs as the simulator's least cost, 1 tick).
@@ -230,7 +240,7 @@ TEST_CASE("Explaining a layout: each schedule at its PP and micro-batches, or wh
   // 18 micro-batches: not a multiple of PP = 4, so no interleaving.
   PlanRequest r = small_request(36);
   const auto choices = schedule_choices(r, pp4(Recompute::kSelective));
-  REQUIRE(choices.size() == 3);
+  REQUIRE(choices.size() == 5);
   CHECK(choices[0].kind == ScheduleKind::kOneFOneB);
   CHECK(choices[0].error.empty());
   CHECK(choices[0].candidate.time.bubble_fraction ==
@@ -256,4 +266,204 @@ TEST_CASE("Explaining a layout: each schedule at its PP and micro-batches, or wh
   named.schedule = ScheduleKind::kInterleaved;
   CHECK(evaluate(r, named).time.step == evaluate(r, implied).time.step);
   CHECK(evaluate(r, named).time.step == at64[1].candidate.time.step);
+}
+
+TEST_CASE("zb-v and dualpipev: chunks of half a stage, the simulator's bubble at v = 2, 2p and 2p+1 chunks in flight",
+          "[plan][schedule]") {
+  PlanRequest r = small_request();
+  r.backend = DistributedBackend::kGloo;
+  const ModelSpec& m = r.model;
+  Layout il = pp4(Recompute::kNone);  // interleaved at VP 2: also 3 layers and half the head a chunk
+  il.vpp = 2;
+  const PipelineCosts ipc = pipeline_costs(m, il, r.cluster, r.calibration);
+  const double peak = r.cluster.peak_tflops * 1e12, eff = r.calibration.matmul_efficiency_at(2048.0);
+  const double weights = 3 * layer_forward_flops(m, 1).weights / (peak * eff) +
+                         head_forward_flops(m, 1) * padded_vocab(m, 1) / m.vocab_size / (peak * eff) / 2;
+  const Candidate one = evaluate(r, pp4(Recompute::kNone));
+  const MemoryOptions mo = memory_options(r);
+  const double per_layer = activation_bytes_per_layer(m, pp4(Recompute::kNone), mo.activations);
+  for (ScheduleKind kind : {ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
+    INFO(pipeline::schedule_kind_name(kind));
+    const Layout l = pp4_v(kind);
+    CHECK(model_chunks(l) == 2);
+    CHECK(chunk_layout_of(l) == pipeline::ChunkLayout::kV);
+    CHECK(head_rank(l) == 0);
+    CHECK(l.str() ==
+          std::string("TP=1 PP=4 DP=2 ZeRO-1 mb=1 recompute=none sched=") + pipeline::schedule_kind_name(kind));
+    const PipelineCosts pc = pipeline_costs(m, l, r.cluster, r.calibration);
+    // A chunk of 3 layers: the ticks of interleaved's chunks, W their weight GEMMs.
+    CHECK(pc.chunk_forward == ipc.chunk_forward);
+    CHECK(pc.chunk_backward == ipc.chunk_backward);
+    CHECK(pc.chunk_backward_weight == Approx(weights).epsilon(1e-12));
+    CHECK(pc.options.forward_cost == 200);
+    CHECK(pc.backward_input_ticks == 228);
+    CHECK(pc.backward_weight_ticks == 140);
+    // DualPipeV's whole backwards cost B + W.
+    CHECK(pc.options.backward_cost == pc.options.backward_input_cost + pc.options.backward_weight_cost);
+    const Candidate c = evaluate(r, l);
+    const auto sim = pipeline::simulate_schedule(kind, 4, 32, 2, pc.options);
+    CHECK(c.time.bubble_fraction == sim.ranks[0].bubble.value());
+    CHECK(c.time.simulated_bubble_fraction == c.time.bubble_fraction);  // Gloo holds no send
+    CHECK(c.time.bubble_fraction < one.time.bubble_fraction);
+    // Busy: 32 micro-batches x 2 chunks x (F + B + W) a chunk.
+    const double busy = 32 * 2 * (pc.chunk_forward + pc.chunk_backward);
+    CHECK(c.time.pipeline == Approx(busy * (1 + c.time.bubble_fraction)).epsilon(1e-12));
+    CHECK(c.time.compute == Approx(one.time.compute).epsilon(1e-12));  // the same work
+    // In flight on every rank: ZB-V 2p = 8 chunks, DualPipeV 2p+1 = 9, of 3 layers each.
+    const int64_t chunks = kind == ScheduleKind::kZeroBubbleV ? 8 : 9;
+    for (const auto& rank : sim.ranks) CHECK(rank.peak_inflight == chunks);
+    CHECK(c.time.peak_inflight_chunks == chunks);
+    CHECK(c.memory.inflight_microbatches == chunks / 2.0);
+    CHECK(c.memory.activations == Approx(per_layer * chunks * 3).epsilon(1e-12));
+    // ZB-V holds 1F1B's first stage's activations: p micro-batches of a whole stage.
+    if (kind == ScheduleKind::kZeroBubbleV)
+      CHECK(c.memory.activations == Approx(one.memory.activations).epsilon(1e-12));
+    // Rank 0, with the embedding, the head and the logits, is the fullest.
+    CHECK(c.memory.stage == 0);
+    CHECK(c.memory.logits > 0);
+    CHECK(predict_memory(m, l, r.global_batch, mo).total() == c.memory.total());
+    CostOptions co;
+    CHECK(predict_time(m, l, r.global_batch, r.cluster, r.calibration, co).step == c.time.step);
+  }
+}
+
+TEST_CASE("In a V rank 0 holds the embedding and the head, the last rank neither", "[plan][schedule]") {
+  const ModelSpec m;  // 24 layers, h = 2048, GeLU with biases, tied, learned positions
+  const int64_t layer = 12 * 2048 * 2048 + 13 * 2048, vocab = 51200 * 2048, positions = 2048 * 2048, norm = 2 * 2048;
+  REQUIRE(layer_params(m) == layer);
+  const Layout one = pp4(Recompute::kNone), v = pp4_v(ScheduleKind::kZeroBubbleV);
+  // 1F1B: the embedding on rank 0, the head's tied copy and the final norm on rank 3.
+  CHECK(dense_params_per_rank(m, one, 0) == 6 * layer + vocab + positions);
+  CHECK(dense_params_per_rank(m, one, 3) == 6 * layer + vocab + norm);
+  // The V: both on rank 0 (two tensors: PipelineStage ties the head's copy across chunks),
+  // 3 + 3 layers on every rank.
+  CHECK(dense_params_per_rank(m, v, 0) == 6 * layer + 2 * vocab + positions + norm);
+  CHECK(dense_params_per_rank(m, v, 0) == 516063232);
+  for (int64_t rank : {1, 2, 3}) CHECK(dense_params_per_rank(m, v, rank) == 6 * layer);
+  CHECK(params_per_rank(m, pp4_v(ScheduleKind::kDualPipeV), 0) == 516063232);
+  // Its memory is rank 0's.
+  PlanRequest r = small_request();
+  const Candidate c = evaluate(r, v);
+  CHECK(c.memory.dense_parameters == 516063232);
+  CHECK(c.memory.states.total() == zero_bytes_per_rank(m, v, r.precision, 0).total());
+
+  // With experts, the layers of a chunk follow the V: 8 layers on PP 2, rank 0 holding
+  // layers 0-1 (stage 0) and 6-7 (stage 3), rank 1 layers 2-5; the first two dense.
+  ModelSpec moe = m;
+  moe.num_layers = 8, moe.num_experts = 4, moe.moe_first_k_dense = 2;
+  Layout mv = v;
+  mv.pp = 2, mv.dp = 4;
+  CHECK(chunk_layer_counts(moe, mv, 0, 0).dense == 2);
+  CHECK(chunk_layer_counts(moe, mv, 0, 1).moe == 2);
+  CHECK(chunk_layer_counts(moe, mv, 1, 0).moe == 2);
+  CHECK(chunk_layer_counts(moe, mv, 1, 1).moe == 2);
+  CHECK(stage_layer_counts(moe, mv, 0).moe == 2);
+  CHECK(stage_layer_counts(moe, mv, 1).moe == 4);
+  // Looped, rank 0 holds layers 0-3 (two dense).
+  mv.schedule = ScheduleKind::kOneFOneB;
+  CHECK(stage_layer_counts(moe, mv, 0).moe == 2);
+  CHECK(chunk_layer_counts(moe, mv, 1, 0).moe == 4);
+  mv.schedule = ScheduleKind::kZeroBubbleV;
+  CHECK(expert_params_per_rank(moe, mv, 1) == 4 * 4 * params_per_expert(moe));
+  CHECK(expert_params_per_rank(moe, mv, 0) == 2 * 4 * params_per_expert(moe));
+}
+
+TEST_CASE("zb-v and dualpipev are searched on Gloo only, and each invalid case says why", "[plan][schedule]") {
+  // NCCL, the default: refused, naming the reason and the fix.
+  PlanRequest r = pp4_request(64, Recompute::kSelective);
+  Layout nccl = pp4(Recompute::kSelective, ScheduleKind::kZeroBubbleV);
+  CHECK_THAT(layout_error(r.model, nccl, 8, 64),
+             Catch::Contains("refuses zb-v on NCCL") &&
+                 Catch::Contains(pipeline::nccl_refusal(ScheduleKind::kZeroBubbleV)) &&
+                 Catch::Contains("--distributed-backend gloo"));
+  CHECK_THROWS_WITH(evaluate(r, nccl), Catch::Contains("sched=zb-v is not valid"));
+  const PlanResult on_nccl = plan::plan(r);
+  CHECK(on_nccl.considered == 2);  // 1f1b and zb-h1
+  CHECK(count_schedule(on_nccl, ScheduleKind::kZeroBubbleV) + count_schedule(on_nccl, ScheduleKind::kDualPipeV) == 0);
+  const auto refused = schedule_choices(r, on_nccl.ranked[0].layout);
+  REQUIRE(refused.size() == 5);
+  CHECK(refused[3].kind == ScheduleKind::kZeroBubbleV);
+  CHECK(refused[4].kind == ScheduleKind::kDualPipeV);
+  CHECK_THAT(refused[4].error, Catch::Contains("refuses dualpipev on NCCL"));
+  r.schedule = ScheduleKind::kDualPipeV;
+  CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("--schedule dualpipev does not run with the fixed settings") &&
+                                       Catch::Contains("--distributed-backend gloo") &&
+                                       Catch::Contains("--schedule zb-h1"));
+
+  // Gloo: all four at VP 1, and zb-h1 timed as the simulator runs it.
+  r.schedule.reset();
+  r.backend = DistributedBackend::kGloo;
+  const PlanResult on_gloo = plan::plan(r);
+  CHECK(on_gloo.considered == 4);
+  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleV,
+                            ScheduleKind::kDualPipeV})
+    CHECK(count_schedule(on_gloo, kind) == 1);
+  for (const auto& c : on_gloo.ranked) CHECK(c.layout.backend == DistributedBackend::kGloo);
+  const auto zb = std::find_if(on_gloo.ranked.begin(), on_gloo.ranked.end(), [](const Candidate& c) {
+    return schedule_of(c.layout) == ScheduleKind::kZeroBubbleH1;
+  });
+  REQUIRE(zb != on_gloo.ranked.end());
+  const PipelineCosts zpc = pipeline_costs(r.model, zb->layout, r.cluster, r.calibration);
+  CHECK(zb->time.bubble_fraction == zb->time.simulated_bubble_fraction);
+  CHECK(zb->time.bubble_fraction ==
+        pipeline::formula_bubble_fraction(ScheduleKind::kZeroBubbleH1, 4, 32, 1, zpc.options).value());
+  CHECK(zb->time.bubble_fraction < pipeline::verify_schedule_nccl_order(ScheduleKind::kZeroBubbleH1, 4, 32, 1,
+                                                                         zpc.options).bubble_fraction.value());
+  const auto choices = schedule_choices(r, on_gloo.ranked[0].layout);
+  REQUIRE(choices.size() == 5);
+  for (size_t i : {3, 4}) {
+    CHECK(choices[i].error.empty());
+    CHECK(choices[i].layout.vpp == 1);
+    CHECK(choices[i].candidate.time.bubble_fraction ==
+          pipeline::simulate_schedule(choices[i].kind, 4, 32, 2, choices[i].costs.options).ranks[0].bubble.value());
+  }
+  CHECK_THAT(gpt_pretrain_flags(r, pp4_v(ScheduleKind::kZeroBubbleV)),
+             Catch::Equals("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --micro-batch-size 1 "
+                           "--global-batch-size 64 --zero-stage 1 --schedule zb-v --distributed-backend gloo --bf16"));
+  CHECK_THAT(gpt_pretrain_flags(r, pp4_v(ScheduleKind::kDualPipeV)),
+             Catch::Contains("--schedule dualpipev --distributed-backend gloo") &&
+                 !Catch::Contains("--num-layers-per-virtual-pipeline-stage"));
+  // Fixed, only the V.
+  r.schedule = ScheduleKind::kZeroBubbleV;
+  const PlanResult fixed = plan::plan(r);
+  REQUIRE(fixed.ranked.size() == 1);
+  CHECK(schedule_of(fixed.ranked[0].layout) == ScheduleKind::kZeroBubbleV);
+
+  // Full recompute: no W to defer, so not searched (as zb-h1), and --explain says why.
+  PlanRequest full = pp4_request(64, Recompute::kFull);
+  full.backend = DistributedBackend::kGloo;
+  const PlanResult kept = plan::plan(full);
+  CHECK(kept.considered == 1);
+  REQUIRE(kept.ranked.size() == 1);
+  CHECK(schedule_of(kept.ranked[0].layout) == ScheduleKind::kOneFOneB);
+  const auto why = schedule_choices(full, kept.ranked[0].layout);
+  CHECK_THAT(why[3].error, Catch::Contains("W = 0 ticks"));
+  CHECK_THAT(why[4].error, Catch::Contains("W = 0 ticks"));
+
+  // What the V needs, each named.
+  const ModelSpec& m = r.model;
+  Layout l = pp4_v(ScheduleKind::kZeroBubbleV);
+  REQUIRE(layout_error(m, l, 8, 64).empty());
+  l.vpp = 2;
+  CHECK_THAT(layout_error(m, l, 8, 64), Catch::Contains("two model chunks per stage in a V") &&
+                                            Catch::Contains("expected VP=1, got VP=2"));
+  l.vpp = 1, l.zero_stage = 3;
+  CHECK_THAT(layout_error(m, l, 8, 64), Catch::Contains("expected ZeRO stage 0, 1 or 2, got ZeRO-3"));
+  l.zero_stage = 1, l.pp = 1, l.dp = 8;
+  CHECK_THAT(layout_error(m, l, 8, 64), Catch::Contains("expected PP > 1, got PP=1"));
+  l.pp = 8, l.dp = 1;  // 24 layers in 16 virtual stages
+  CHECK_THAT(layout_error(m, l, 8, 64),
+             Catch::Contains("expected the 24 layers divisible by 16, got a remainder of 8"));
+  l.pp = 4, l.dp = 2;  // 8 sequences: 4 micro-batches, where the V needs 2 x 4
+  CHECK_THAT(layout_error(m, l, 8, 8), Catch::Contains("expected at least 8 micro-batches per step, got 4") &&
+                                           Catch::Contains("raise --global-batch-size to 16"));
+  CHECK(layout_error(m, l, 8, 16).empty());
+  CHECK_THAT(schedule_error(ScheduleKind::kDualPipeV, 4, 1, 1, DistributedBackend::kNccl),
+             Catch::Contains("refuses dualpipev on NCCL"));
+  CHECK(schedule_error(ScheduleKind::kDualPipeV, 4, 1, 1, DistributedBackend::kGloo).empty());
+  // The other schedules run on either backend.
+  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1})
+    CHECK(schedule_error(kind, 4, 1, 1, DistributedBackend::kGloo).empty());
+  CHECK(parse_distributed_backend("gloo") == DistributedBackend::kGloo);
+  CHECK_THROWS_WITH(parse_distributed_backend("mpi"), Catch::Contains("'nccl' or 'gloo', got 'mpi'"));
 }

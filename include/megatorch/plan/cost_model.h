@@ -2,7 +2,8 @@
 // Step time of a layout: compute from the FLOPs at a calibrated GEMM efficiency plus a
 // memory-bound share, TP/SP and DP/ZeRO communication from their exact volumes over the
 // link bandwidths, and the pipeline (bubble included) from the schedule simulator run with
-// the layout's per-chunk forward and backward times (zb-h1: the backward's B and W).
+// the layout's per-chunk forward and backward times (zb-h1, zb-v, dualpipev: the backward's B
+// and W; in their V a chunk is half a stage).
 #include <cstdint>
 #include <string>
 
@@ -63,9 +64,10 @@ struct TimeBreakdown {
   double expert_dp_comm = 0;  // of which the experts' gradients over expert-DP
   double pipeline = 0;     // simulated makespan: compute + tp_comm + cp_comm + ep_comm + p2p + bubble
   double step = 0;         // pipeline + dp_comm
-  // Idle / busy of the slowest stage, as the executor runs on NCCL: the simulator's, except
-  // for zb-h1, whose B sends the executor's p2p batches hold until the receiver reaches
-  // them (the NCCL order model's bubble; docs/pipeline.md "Under NCCL").
+  // Idle / busy of the slowest stage, as the executor runs on the layout's backend: the
+  // simulator's, except for zb-h1 on NCCL, whose B sends the executor's p2p batches hold
+  // until the receiver reaches them (the NCCL order model's bubble; docs/pipeline.md "Under
+  // NCCL"). Gloo holds no send: the simulator's for every schedule.
   double bubble_fraction = 0;
   double simulated_bubble_fraction = 0;  // the simulator's (sends never wait)
   int64_t peak_inflight_chunks = 0;  // first stage, from the same simulation
@@ -122,7 +124,7 @@ MoeTraffic moe_traffic_per_layer(const ModelSpec& model, const Layout& layout, c
 // The per-chunk costs handed to the simulator and the simulation itself.
 struct PipelineCosts {
   double chunk_forward = 0, chunk_backward = 0;  // seconds, slowest stage, incl. TP comm and p2p
-  // Of chunk_backward, what a split backward (zb-h1) defers as W: the weight-gradient GEMMs,
+  // Of chunk_backward, what a split backward (zb-h1, zb-v, dualpipev) defers as W: the weight-gradient GEMMs,
   // the FLOPs of the chunk's forward linear layers (the output head's included) at their GEMM
   // rate. The rest is B: the input-gradient GEMMs, attention's score and context products,
   // elementwise work, recompute and communication. 0 with full recompute, whose replay
@@ -130,7 +132,8 @@ struct PipelineCosts {
   // left there too).
   double chunk_backward_weight = 0;
   double tick = 0;                               // seconds per simulator tick
-  // B and W in ticks, B + W = options.backward_cost (the whole backward, as 1F1B runs it).
+  // B and W in ticks, B + W = options.backward_cost (the whole backward, as 1F1B runs it,
+  // and as dualpipev runs the backwards it does not split).
   int64_t backward_input_ticks = 0, backward_weight_ticks = 0;
   // Forward and backward ticks; backward_input_cost and backward_weight_cost are the ticks
   // above, except that a W of 0 ticks runs as 1 taken from B (the simulator's least cost).

@@ -89,7 +89,7 @@ struct MemoryBreakdown {
                             // (with experts: the chunk of the stage with the most bytes)
   double inflight_microbatches = 0;  // micro-batches of a whole stage in flight (simulator)
   double recompute_working = 0;      // one layer's activations rebuilt during backward (recompute)
-  double logits = 0;        // fp32 logits shard for the loss (last stage): [b, S/c, V/t]
+  double logits = 0;        // fp32 logits shard for the loss (head_rank's): [b, S/c, V/t]
   double reserved = 0;      // runtime, communication buffers, fragmentation
   double total() const { return states.total() + activations + recompute_working + logits + reserved; }
 };
@@ -100,11 +100,13 @@ struct MemoryOptions {
   double reserved_bytes = 2.0 * (1ull << 30);
 };
 
-// The fuller of the first and the last pipeline stage (with experts: the fullest stage, as
-// MoE layers need not be spread evenly). The in-flight count comes from
-// simulate_schedule (schedule_of(layout): 1F1B, interleaved or zb-h1, whose stages all hold
-// min(p, m) as each micro-batch's activations wait for its W): its peak_inflight of the
-// stage, in chunks.
+// The fuller of the first and the last pipeline stage (with experts, or in the V of zb-v and
+// dualpipev: the fullest stage, as MoE layers need not be spread evenly and in a V rank 0
+// holds the embedding and the head). The in-flight count comes from simulate_schedule
+// (schedule_of(layout): 1F1B, interleaved or zb-h1, whose stages all hold min(p, m) as each
+// micro-batch's activations wait for its W; zb-v 2p and dualpipev 2p+1 chunks of half a
+// stage on every rank): its peak_inflight of the stage, in chunks of L / (pp x
+// model_chunks) layers.
 MemoryBreakdown predict_memory(const ModelSpec& model, const Layout& layout, int64_t global_batch,
                                const MemoryOptions& options = {});
 // The same with the in-flight counts of a simulation already run for this layout (any costs:

@@ -82,6 +82,15 @@ using transformer::CpCommType;
 using transformer::parse_cp_comm_type;
 using transformer::to_string;
 
+// The backend the pipeline's p2p transfers run on, as gpt_pretrain's --distributed-backend
+// names it. NCCL (the GPU default) pairs sends and receives by issue order and holds a send
+// until its receive is posted: the executor refuses the V schedules there
+// (pipeline::nccl_refusal) and zb-h1 loses part of its gain to that rendezvous. Gloo pairs
+// by tag and never holds a send: every schedule runs, as the simulator times it.
+enum class DistributedBackend { kNccl, kGloo };
+const char* to_string(DistributedBackend b);  // "nccl", "gloo"
+DistributedBackend parse_distributed_backend(const std::string& s);
+
 // One parallel layout of a training run on tp * cp * pp * dp GPUs (Megatron's rank order
 // tp-cp-dp-pp). Context parallelism splits each sequence over cp ranks; parameters are
 // replicated over CP, so gradients are reduced and ZeRO shards over dp * cp.
@@ -103,8 +112,12 @@ struct Layout {
   int64_t etp = 1;
   // The pipeline schedule: 1F1B, or ZB-H1 (each backward split into B, the input gradient,
   // and W, the weight gradients, W's deferred into the bubbles); interleaved 1F1B whenever
-  // vpp > 1. Read it through schedule_of, which applies that rule.
+  // vpp > 1. Read it through schedule_of, which applies that rule. ZB-V and DualPipeV keep
+  // vpp = 1: their two chunks per rank (a V) come with the schedule (model_chunks).
   pipeline::ScheduleKind schedule = pipeline::ScheduleKind::kOneFOneB;
+  // Where the pipeline's transfers run: which schedules can run, and zb-h1's bubble. The
+  // same for every layout of a plan, so str() leaves it out.
+  DistributedBackend backend = DistributedBackend::kNccl;
 
   int64_t gpus() const { return tp * cp * pp * dp; }
   // The ranks holding the same expert shards: expert gradients are reduced and ZeRO shards
@@ -128,11 +141,23 @@ pipeline::ScheduleKind schedule_of(const Layout& layout);
 // Whether that is the schedule vpp alone implies (1F1B, or interleaved at vpp > 1): only
 // another one is named (Layout::str's "sched=", gpt_pretrain's --schedule).
 bool schedule_implied(const Layout& layout);
-// What a schedule needs ("" when it holds): 1f1b VP = 1; interleaved VP > 1; zb-h1 PP > 1,
-// VP = 1 and ZeRO 0-2 (TrainingLoop refuses ZeRO-3 with a split backward); gpipe is not
-// planned (it holds every micro-batch in flight for 1F1B's bubble). layout_error asks it of
-// schedule_of(layout); the planner of a fixed --schedule against the fixed knobs.
-std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage);
+// What a schedule needs ("" when it holds): 1f1b VP = 1; interleaved VP > 1; zb-h1, zb-v and
+// dualpipev PP > 1, VP = 1 (the V's two chunks are implied) and ZeRO 0-2 (TrainingLoop
+// refuses ZeRO-3 with a split backward); zb-v and dualpipev the Gloo backend (the executor
+// refuses them on NCCL: pipeline::nccl_refusal); gpipe is not planned (it holds every
+// micro-batch in flight for 1F1B's bubble). layout_error asks it of schedule_of(layout) and
+// adds what needs the model and the batch (the V: 2 x PP dividing the layers, at least 2 x PP
+// micro-batches); the planner asks it of a fixed --schedule against the fixed knobs.
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage,
+                           DistributedBackend backend = DistributedBackend::kNccl);
+// The model chunks each pipeline rank holds: vpp, or 2 under zb-v and dualpipev.
+int64_t model_chunks(const Layout& layout);
+// Where the virtual stages live: the V for zb-v and dualpipev (rank r holds stages r and
+// 2p-1-r), else looped (stage chunk * pp + rank).
+pipeline::ChunkLayout chunk_layout_of(const Layout& layout);
+// The pipeline rank that holds the last virtual stage (final norm, output layer, loss):
+// pp - 1 looped, 0 in a V. The embedding (virtual stage 0) is always on rank 0.
+int64_t head_rank(const Layout& layout);
 
 // Checks the layout against the model, the GPU count and the global batch; fails naming the
 // constraint (e.g. TP*PP*DP != GPUs, heads not divisible by TP, batch not divisible by mb*DP,
@@ -158,10 +183,12 @@ int64_t moe_layer_dense_params_per_tp_rank(const ModelSpec& m, int64_t tp);
 // TrainingLoop::num_parameters() reports.
 int64_t total_params(const ModelSpec& m);
 // What pipeline rank `pp_rank` of tp*pp holds on one TP rank: its layers (layers are split
-// evenly: virtual stage s = chunk * pp + rank holds layers [s*L/(pp*v), (s+1)*L/(pp*v))),
-// the embedding (+ learned positions) on rank 0, the final norm and the output head on the
-// last rank (a copy of the tied embedding when pp > 1, as GPTModel does). With experts:
-// every expert of its MoE layers (EP 1) at one virtual chunk per rank.
+// evenly: virtual stage s holds layers [s*L/(pp*v), (s+1)*L/(pp*v)), s = chunk * pp + rank,
+// or in a V (zb-v, dualpipev: v = 2) rank r holds stages r and 2pp-1-r), the embedding
+// (+ learned positions) on rank 0 (virtual stage 0), the final norm and the output head on
+// head_rank (the last virtual stage: the last rank, or rank 0 in a V; a copy of the tied
+// embedding when pp > 1, as PipelineStage builds it). With experts: every expert of its MoE
+// layers (EP 1) at one virtual chunk per rank.
 int64_t params_per_rank(const ModelSpec& m, int64_t tp, int64_t pp, int64_t pp_rank);
 // The same under a layout: the dense parameters (what the DP x CP optimizer holds) plus the
 // experts (num_experts / ep per MoE layer of the rank's chunks, each its 1/etp shard: what

@@ -14,10 +14,16 @@ struct LayerCounts {
 };
 int64_t num_moe_layers(const ModelSpec& m);
 // The layers of virtual chunk `chunk` of pipeline rank `pp_rank` (virtual stage
-// chunk * pp + pp_rank, as PipelineStage splits them), by kind.
-LayerCounts chunk_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank, int64_t chunk);
+// pipeline::virtual_stage(chunk, pp_rank, pp, layout): chunk * pp + pp_rank looped, or in a
+// V (vpp = 2) pp_rank and 2pp-1-pp_rank, as PipelineStage splits them), by kind.
+LayerCounts chunk_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank, int64_t chunk,
+                               pipeline::ChunkLayout layout = pipeline::ChunkLayout::kLooped);
 // Over all the rank's chunks.
-LayerCounts stage_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank);
+LayerCounts stage_layer_counts(const ModelSpec& m, int64_t pp, int64_t vpp, int64_t pp_rank,
+                               pipeline::ChunkLayout layout = pipeline::ChunkLayout::kLooped);
+// The same under a layout: its model_chunks placed by its chunk_layout_of.
+LayerCounts chunk_layer_counts(const ModelSpec& m, const Layout& layout, int64_t pp_rank, int64_t chunk);
+LayerCounts stage_layer_counts(const ModelSpec& m, const Layout& layout, int64_t pp_rank);
 
 // One expert, as GroupedExperts stacks it: fc1 [h, F g] (g = 2 for SwiGLU's gate and up),
 // fc2 [F, h], and with biases fc1's F g and fc2's h.

@@ -42,11 +42,16 @@ struct PlanRequest {
   std::optional<int> zero_stage;
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;
-  // The pipeline schedule (1f1b, interleaved or zb-h1). Unset: interleaved at VP > 1, and at
-  // VP 1 both 1F1B and zb-h1 wherever zb-h1 is valid (schedule_error) and has W to defer
-  // (not under full recompute, whose W is empty: 1F1B's time with more in flight).
-  // Fixed: only layouts that run it (VP > 1 for interleaved, VP 1 otherwise).
+  // The pipeline schedule (1f1b, interleaved, zb-h1, zb-v or dualpipev). Unset: interleaved
+  // at VP > 1, and at VP 1 1F1B and next to it zb-h1 (and on Gloo zb-v and dualpipev)
+  // wherever it is valid (layout_error) and has W to defer (not under full recompute, whose
+  // W is empty: 1F1B's time with more in flight). Fixed: only layouts that run it (VP > 1 for
+  // interleaved, VP 1 otherwise: the V's two chunks come with zb-v and dualpipev).
   std::optional<pipeline::ScheduleKind> schedule;
+  // The pipeline's p2p backend (gpt_pretrain's --distributed-backend), set on every layout:
+  // NCCL, the GPU default, where the executor refuses zb-v and dualpipev and zb-h1 is timed
+  // with NCCL's rendezvous; or Gloo, where all of them run as the simulator times them.
+  DistributedBackend backend = DistributedBackend::kNccl;
   int64_t max_micro_batch = 8;
   int64_t max_vpp = 8;
 };
@@ -58,7 +63,8 @@ struct Candidate {
 };
 
 struct PlanResult {
-  // Layouts that fit, fastest first; less memory breaks ties, then 1F1B before zb-h1.
+  // Layouts that fit, fastest first; less memory breaks ties, then 1F1B before zb-h1, zb-v
+  // and dualpipev, in that order.
   std::vector<Candidate> ranked;
   int64_t considered = 0;         // valid layouts looked at
   int64_t too_big = 0;            // valid layouts that do not fit in GPU memory
@@ -77,8 +83,9 @@ PlanResult plan(const PlanRequest& request);
 std::string why_lost(const Candidate& c, const Candidate& best);
 
 // A layout under one of the schedules the planner models, for --explain: why it is left out
-// ("" when it is not: layout_error, or zb-h1 with no W to defer), its ticks, and its memory
-// and time (when not left out).
+// ("" when it is not: layout_error, e.g. zb-v on NCCL, or a split backward with no W to
+// defer), its ticks (per chunk: half a stage's in the V), and its memory and time (when not
+// left out).
 struct ScheduleChoice {
   pipeline::ScheduleKind kind = pipeline::ScheduleKind::kOneFOneB;
   Layout layout;
@@ -86,13 +93,15 @@ struct ScheduleChoice {
   PipelineCosts costs;
   Candidate candidate;
 };
-// `chosen` at its PP and micro-batches under 1f1b, interleaved (at chosen's VP, or 2) and
-// zb-h1, in that order.
+// `chosen` at its PP, micro-batches and backend under 1f1b, interleaved (at chosen's VP, or
+// 2), zb-h1, zb-v and dualpipev, in that order.
 std::vector<ScheduleChoice> schedule_choices(const PlanRequest& request, const Layout& chosen);
 
 // The flags gpt_pretrain takes for `layout` (besides the model's and the data's): the
 // parallel sizes, batch sizes, ZeRO stage, recompute, SP, and --schedule when vpp does not
-// imply it ("... --schedule zb-h1"). DP is what the launch's world size leaves.
+// imply it ("... --schedule zb-h1", "... --schedule zb-v": the V's chunks need no
+// --num-layers-per-virtual-pipeline-stage), and --distributed-backend gloo on Gloo. DP is
+// what the launch's world size leaves.
 std::string gpt_pretrain_flags(const PlanRequest& request, const Layout& layout);
 
 MemoryOptions memory_options(const PlanRequest& request);

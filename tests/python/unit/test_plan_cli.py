@@ -150,7 +150,7 @@ def explained_schedules(out):
     rows = {}
     for line in out.splitlines():
         words = line.split()
-        if words and words[0] in ("1f1b", "interleaved", "zb-h1") and "bubble" in words:
+        if words and words[0] in ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev") and "bubble" in words:
             at = words.index("bubble")
             sim = float(words[at + 3].rstrip(")")) if words[at + 2] == "(simulated" else None
             f = words.index("F")
@@ -203,7 +203,73 @@ def test_schedule_conflicts_are_named():
     out = run(*PP_ARGS, "--schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2")
     assert out.returncode != 0 and "runs one model chunk per stage: expected VP=1, got VP=2" in out.stderr
     out = run(*PP_ARGS, "--schedule", "ring")
-    assert out.returncode != 0 and "gpipe, 1f1b, interleaved or zb-h1, got 'ring'" in out.stderr
+    assert out.returncode != 0 and "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev, got 'ring'" in out.stderr
+    out = run(*PP_ARGS, "--distributed-backend", "mpi")
+    assert out.returncode != 0 and "expected --distributed-backend 'nccl' or 'gloo', got 'mpi'" in out.stderr
+
+
+def test_v_schedules_are_refused_on_nccl_with_the_reason():
+    out = run(*PP_ARGS, "--schedule", "zb-v")  # --distributed-backend nccl, the default
+    assert out.returncode != 0
+    assert "--schedule zb-v does not run with the fixed settings: the executor refuses zb-v on NCCL" in out.stderr
+    assert "NCCL (pairing sends and receives by issue order) cannot deliver" in out.stderr
+    assert "Plan it with --distributed-backend gloo, or plan --schedule zb-h1 on NCCL" in out.stderr
+    out = run(*PP_ARGS, "--schedule", "dualpipev", "--distributed-backend", "nccl")
+    assert out.returncode != 0 and "refuses dualpipev on NCCL" in out.stderr
+    # Searched on NCCL, never proposed; --explain says why.
+    report = plan_json(*PP_ARGS, "--top", "20")
+    assert report["distributed_backend"] == "nccl"
+    assert not {"zb-v", "dualpipev"} & {t["layout"]["schedule"] for t in report["top"]}
+    out = run(*PP_ARGS, "--explain")
+    assert "p2p over NCCL" in out.stdout
+    assert "zb-v         not planned: the executor refuses zb-v on NCCL" in out.stdout
+    assert "dualpipev    not planned: the executor refuses dualpipev on NCCL" in out.stdout
+
+
+def test_v_schedules_on_gloo():
+    gloo = [*PP_ARGS, "--distributed-backend", "gloo"]
+    report = plan_json(*gloo, "--top", "20")
+    assert report["distributed_backend"] == "gloo"
+    by = {}
+    for t in report["top"]:
+        by.setdefault(t["layout"]["schedule"], t)
+    assert {"1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"} <= set(by)
+    p, m = 4, 32
+    for name, chunks in (("zb-v", 2 * p), ("dualpipev", 2 * p + 1)):
+        t = by[name]
+        assert t["layout"]["virtual_pipeline_model_parallel_size"] == 1  # the V's two chunks come with it
+        assert t["time"]["peak_inflight_chunks"] == chunks
+        assert t["memory"]["inflight_microbatches"] == chunks / 2
+        assert t["memory"]["stage"] == 0 and t["memory"]["logits_bytes"] > 0  # the head is rank 0's
+        assert t["time"]["bubble_fraction"] == t["time"]["simulated_bubble_fraction"]
+        assert t["time"]["bubble_fraction"] < by["1f1b"]["time"]["bubble_fraction"]
+    # On Gloo zb-h1 is timed as the simulator runs it: Qi et al.'s bubble, not NCCL's.
+    zb = by["zb-h1"]["time"]
+    assert zb["bubble_fraction"] == zb["simulated_bubble_fraction"]
+    # Fixed: the V only, and its flags name the schedule and the backend.
+    fixed = plan_json(*gloo, "--schedule", "zb-v")
+    assert {t["layout"]["schedule"] for t in fixed["top"]} == {"zb-v"}
+    assert fixed["top"][0]["time"] == by["zb-v"]["time"]
+    out = run(*gloo, "--schedule", "zb-v", "--explain")
+    assert out.returncode == 0, out.stderr
+    assert "TP=2 PP=4 DP=1 ZeRO-1 mb=1 recompute=selective SP sched=zb-v" in out.stdout
+    assert ("gpt_pretrain flags: --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --micro-batch-size 1 "
+            "--global-batch-size 32 --zero-stage 1 --recompute-granularity selective --sequence-parallel "
+            "--schedule zb-v --distributed-backend gloo --bf16") in out.stdout
+    assert "p2p over Gloo" in out.stdout
+    rows = explained_schedules(out.stdout)
+    assert set(rows) == {"1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}
+    assert rows["zb-v"][3] and not rows["dualpipev"][3]
+    assert rows["zb-v"][0] == pytest.approx(by["zb-v"]["time"]["bubble_fraction"], abs=5e-5)
+    assert rows["dualpipev"][0] == pytest.approx(by["dualpipev"]["time"]["bubble_fraction"], abs=5e-5)
+    assert all(r[1] is None for r in rows.values())  # no NCCL rendezvous on Gloo
+    # A chunk of the V is half a stage: the ticks of interleaved's chunks at VP 2.
+    assert rows["zb-v"][2] == rows["dualpipev"][2] == rows["interleaved"][2]
+    # What the V needs, named: 2 x PP micro-batches and 2 x PP dividing the layers.
+    out = run(*with_batch(gloo, 4), "--schedule", "zb-v")
+    assert out.returncode != 0 and "expected at least 8 micro-batches per step, got 4" in out.stderr
+    out = run(*gloo, "--schedule", "dualpipev", "--num-layers", "36")
+    assert out.returncode != 0 and "expected the 36 layers divisible by 8, got a remainder of 4" in out.stderr
 
 
 # ---- context parallelism
