@@ -15,7 +15,7 @@ peers/peer_zero_bubble.py (step time). Every run's loss must equal megatorch 1F1
 same m (1e-5 relative): a fast wrong answer is reported as one. Each configuration runs
 --rounds times, interleaved with the others; the table gives the median step time.
 
-Writes OUT/results.json and OUT/report.md and prints the report. About 10 minutes on an
+Writes OUT/results.json and OUT/report.md and prints the report. About 15 minutes on an
 idle 2-core machine with the defaults; it waits first while the machine is busy.
 """
 import argparse
