@@ -95,6 +95,27 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
           splits += a.kind == pipeline::ActionKind::kBackwardWeight ? 1 : 0;
         CHECK(result.timeline.size() == static_cast<size_t>(2 * m * v + splits));
         if (kind != pipeline::ScheduleKind::kDualPipeV) CHECK(splits == (pipeline::splits_backward(kind) ? m * v : 0));
+        // Every rank's timeline on every rank, though DualPipeV's ranks run different numbers
+        // of computes: each record where its rank's list has it.
+        const auto gathered = pipeline::gather_timeline(result, ppg.name());
+        std::vector<std::vector<pipeline::Action>> computes(ppn);
+        size_t total = 0;
+        for (int64_t r = 0; r < ppn; ++r) {
+          for (const auto& a : pipeline::build_schedule(kind, ppn, m, v, r))
+            if (pipeline::is_compute(a.kind)) computes[r].push_back(a);
+          total += computes[r].size();
+        }
+        REQUIRE(gathered.size() == total);
+        std::vector<size_t> seen(ppn, 0);
+        for (const auto& rec : gathered) {
+          REQUIRE(rec.rank >= 0);
+          REQUIRE(rec.rank < ppn);
+          CHECK(rec.action.kind == computes[rec.rank][seen[rec.rank]].kind);
+          CHECK(rec.action.microbatch == computes[rec.rank][seen[rec.rank]].microbatch);
+          CHECK(rec.action.chunk == computes[rec.rank][seen[rec.rank]].chunk);
+          CHECK(rec.start >= 0);
+          ++seen[rec.rank];
+        }
       }
     }
   }
