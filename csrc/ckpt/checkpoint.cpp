@@ -206,11 +206,14 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
   std::optional<SaveLock> lock;
   auto error = capture([&] {
     MEGATORCH_CHECK(iteration >= 0, "save_checkpoint: expected an iteration >= 0, got ", iteration);
+    // A rank writes at most one piece of a tensor. It may hold more copies without writing
+    // them: a tie whose copies share a rank (the V layout's embedding and head on rank 0).
     std::set<std::string> keys;
     for (const auto& e : entries) {
       validate_entry(e);
-      MEGATORCH_CHECK(keys.insert(e.key).second, "save_checkpoint: key '", e.key,
-                      "' appears twice on rank ", r.rank, "; each rank holds at most one piece of a tensor");
+      MEGATORCH_CHECK(!e.write || keys.insert(e.key).second, "save_checkpoint: key '", e.key,
+                      "' is written twice on rank ", r.rank, "; each rank writes at most one piece of a tensor "
+                      "(set write = false on the other copies)");
     }
     if (r.rank == 0) {
       fs::create_directories(root);

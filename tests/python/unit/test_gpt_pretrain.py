@@ -259,6 +259,18 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path):
     check_reload_matches(tmp_path, ckpt, layouts, "tp2pp2")
 
 
+def test_v_schedule_checkpoint_loads_at_other_layouts(tmp_path):
+    """Saved under PP2 zb-v (rank 0 holds the embedding and its tied copy in the head, and
+    writes the pair once), loaded at one rank and at PP2 1f1b: the same validation loss and
+    the same two further losses."""
+    ckpt = tmp_path / "ckpt"
+    saving = ["--pipeline-model-parallel-size", "2", "--schedule", "zb-v", "--zero-stage", "1"]
+    out, _ = torchrun(2, [*MODEL, "--train-iters", "4", *saving, "--save", str(ckpt)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    layouts = {"pp2zbv": (2, saving), "single": (1, []), "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+    check_reload_matches(tmp_path, ckpt, layouts, "pp2zbv")
+
+
 def test_context_parallel_same_losses_and_resume_across_c(tmp_path):
     """--context-parallel-size: ring attention at c = 2 and 4, Ulysses at c = 2, c = 2 with
     TP2 + SP, with PP2 and next to DP2 with ZeRO-3 give the single rank's 10 losses (fp32,
