@@ -112,7 +112,7 @@ const char* formula_text(mp::ScheduleKind kind) {
 }
 
 nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
-                           const mp::NcclOrderReport& nccl, const std::vector<int64_t>& sends) {
+                           const std::optional<mp::NcclOrderReport>& nccl, const std::vector<int64_t>& sends) {
   const std::optional<mp::Ratio> formula = published_bubble(a, kind);
   nlohmann::json j;
   j["schedule"] = mp::schedule_kind_name(kind);
@@ -140,18 +140,18 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
   j["busy"] = per_rank([](const mp::RankReport& r) { return r.busy; });
   j["idle"] = per_rank([](const mp::RankReport& r) { return r.idle; });
   j["bubble_per_rank"] = per_rank([](const mp::RankReport& r) { return r.bubble.str(); });
-  if (!mp::nccl_refusal(kind).empty()) {
+  if (!nccl) {
     j["nccl"] = {{"runs", false}, {"why", mp::nccl_refusal(kind)}};
   } else {
-  j["nccl"] = {{"runs", true},
-               {"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
-               {"batches", nccl.batches},
-               {"ops", nccl.ops},
-               {"max_batch", nccl.max_batch},
-               {"deadlock_free", true},
-               {"makespan", nccl.makespan},
-               {"bubble_fraction", nccl.bubble_fraction.value()},
-               {"bubble_fraction_exact", nccl.bubble_fraction.str()}};
+    j["nccl"] = {{"runs", true},
+                 {"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
+                 {"batches", nccl->batches},
+                 {"ops", nccl->ops},
+                 {"max_batch", nccl->max_batch},
+                 {"deadlock_free", true},
+                 {"makespan", nccl->makespan},
+                 {"bubble_fraction", nccl->bubble_fraction.value()},
+                 {"bubble_fraction_exact", nccl->bubble_fraction.str()}};
   }
   // Only when asked for: without CP or sizes the report is what it always was.
   if (a.cp > 1) {
@@ -172,7 +172,7 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
 }
 
 void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
-                   const mp::NcclOrderReport& nccl, const std::vector<int64_t>& sends) {
+                   const std::optional<mp::NcclOrderReport>& nccl, const std::vector<int64_t>& sends) {
   const std::optional<mp::Ratio> formula = published_bubble(a, kind);
   std::printf("schedule %s: %lld stages, %lld micro-batches, %lld chunk(s) per stage\n", mp::schedule_kind_name(kind),
               static_cast<long long>(a.p), static_cast<long long>(a.m), static_cast<long long>(a.v));
@@ -204,14 +204,14 @@ void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationRes
   }
   if (a.v > 1) std::printf("(in flight counts chunk activations: one chunk is 1/%lld of a stage)\n",
                            static_cast<long long>(a.v));
-  if (!mp::nccl_refusal(kind).empty()) {
+  if (!nccl) {
     std::printf("NCCL p2p: not run: %s\n", mp::nccl_refusal(kind).c_str());
   } else {
     std::printf("NCCL p2p: %lld batches of at most %lld ops (%lld ops, receives posted %s): no deadlock, no "
                 "mismatch; bubble when sends wait for their receivers %s = %.4f\n",
-                static_cast<long long>(nccl.batches), static_cast<long long>(nccl.max_batch),
-                static_cast<long long>(nccl.ops), mp::recv_posting_name(mp::recv_posting(kind)),
-                nccl.bubble_fraction.str().c_str(), nccl.bubble_fraction.value());
+                static_cast<long long>(nccl->batches), static_cast<long long>(nccl->max_batch),
+                static_cast<long long>(nccl->ops), mp::recv_posting_name(mp::recv_posting(kind)),
+                nccl->bubble_fraction.str().c_str(), nccl->bubble_fraction.value());
   }
   if (a.cp > 1) std::printf("%s\n", cp_share_line(a).c_str());
   if (a.sized()) {
@@ -236,11 +236,10 @@ int run(const Args& a) {
   mp::SimulatorOptions costs = a.costs;
   costs.record_timeline = !a.svg.empty() || a.list_actions;
   const mp::SimulationResult sim = mp::simulate(lists, a.m, a.v, costs, mp::chunk_layout(kind));
-  // Throws, naming ranks and actions, if the executor's batches would deadlock on NCCL
-  // (not checked for a schedule the executor refuses to post on NCCL).
-  const std::string nccl_refusal = mp::nccl_refusal(kind);
-  const mp::NcclOrderReport nccl =
-      nccl_refusal.empty() ? mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs) : mp::NcclOrderReport{};
+  // Throws, naming ranks and actions, if the executor's batches would deadlock on NCCL;
+  // none for a schedule the executor refuses to post there.
+  std::optional<mp::NcclOrderReport> nccl;
+  if (mp::nccl_refusal(kind).empty()) nccl = mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs);
   if (!a.svg.empty()) {
     std::vector<mp::TimelineRecord> records;
     for (size_t r = 0; r < sim.ranks.size(); ++r)
@@ -329,7 +328,7 @@ int main(int argc, char** argv) {
   try {
     const mp::ScheduleKind kind = mp::parse_schedule_kind(a.schedule);
     // The V schedules always run two chunks per rank; -v, if given, must say so.
-    if (mp::chunk_layout(kind) == mp::ChunkLayout::kV && v->count() == 0) a.v = mp::chunks_per_rank(kind, a.v);
+    if (v->count() == 0) a.v = mp::chunks_per_rank(kind, a.v);
     if (kind == mp::ScheduleKind::kInterleaved && v->count() == 0) {
       std::cerr << "megatorch-schedule: the interleaved schedule needs --virtual-pipeline-model-parallel-size V "
                    "(model chunks per stage, e.g. 2)\n";
