@@ -5,6 +5,8 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "megatorch/train/trainer.h"
 
@@ -13,6 +15,14 @@ int main(int argc, char** argv) {
     bool help = false;
     auto args = megatorch::train::parse_arguments(argc, argv, &help);
     if (help) return 0;
+    // With the other startup lines: on the logging rank (the last, TrainingLoop::is_logging_rank),
+    // told by torchrun's environment since nothing is connected yet.
+    const char* rank = std::getenv("RANK");
+    const char* world = std::getenv("WORLD_SIZE");
+    if (rank == nullptr || world == nullptr || std::atoll(rank) == std::atoll(world) - 1) {
+      for (const std::string& line : args.overrides) std::printf("[megatorch] %s\n", line.c_str());
+      std::fflush(stdout);
+    }
     megatorch::train::Trainer trainer(std::move(args));
     trainer.train();
     return 0;

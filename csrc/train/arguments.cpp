@@ -13,6 +13,7 @@
 #include "megatorch/data/preprocess.h"
 #include "megatorch/data/tokenizer_flags.h"
 #include "megatorch/pipeline/schedule.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace megatorch::train {
 
@@ -157,7 +158,7 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--log-json", a.log_json, "one JSON object per iteration");
   app.add_option("--timeline", a.timeline, "SVG of one iteration's pipeline schedule");
   try {
-    app.parse(argc, argv);
+    a.overrides = util::parse_last_wins(app, argc, argv, "gpt_pretrain");
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     if (help_printed) *help_printed = true;

@@ -121,6 +121,9 @@ struct TrainArguments {
   // The flags given on the command line (long names without "--"): a flag given there
   // that disagrees with the checkpoint under --use-checkpoint-args is an error.
   std::set<std::string> given;
+  // A flag given more than once takes its last value, as in Megatron (launch scripts append
+  // overrides); one line per such flag for the startup log.
+  std::vector<std::string> overrides;
 
   // Derived by validate()
   int64_t world_size = 1;
@@ -129,8 +132,9 @@ struct TrainArguments {
   int64_t virtual_chunks = 1;
 };
 
-// Parses argv (CLI11). Throws c10::Error with CLI11's message on unknown flags or bad
-// values; `--help` prints the usage and returns with `help_printed` set.
+// Parses argv (CLI11). A repeated flag takes its last value (util/cli_last_wins.h), named in
+// `overrides`. Throws c10::Error with CLI11's message on unknown flags or bad values; `--help`
+// prints the usage and returns with `help_printed` set.
 TrainArguments parse_arguments(int argc, char** argv, bool* help_printed = nullptr);
 
 // --use-checkpoint-args: the model fields of a checkpoint's model_config (as
