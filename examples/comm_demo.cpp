@@ -4,6 +4,7 @@
 //       --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 #include <CLI/CLI.hpp>
 #include <megatorch/megatorch.h>
+#include <megatorch/util/cli_last_wins.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -16,7 +17,8 @@ int main(int argc, char** argv) {
   app.add_option("--hidden-size", hidden, "h of the [s, b, h] activation")->check(CLI::PositiveNumber);
   app.add_option("--seq-length", seq, "s")->check(CLI::PositiveNumber);
   app.add_option("--micro-batch-size", batch, "b")->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "comm_demo")) return *code;
   torch::set_num_threads(1);
 
   const char* rank_env = std::getenv("RANK");

@@ -6,6 +6,7 @@
 //       --pipeline-model-parallel-size 4 --num-microbatches 8 --schedule zb-h1 --svg t.svg
 #include <CLI/CLI.hpp>
 #include <megatorch/megatorch.h>
+#include <megatorch/util/cli_last_wins.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -76,7 +77,8 @@ int main(int argc, char** argv) {
   app.add_option("--data-seed", data_seed, "seed of the random token ids (a CPU generator, as torch.Generator)");
   app.add_option("--svg", svg, "write the last step's timeline here (rank 0)");
   app.add_option("--json", json, "write the results here as one JSON object (rank 0)");
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "pipeline_timeline")) return *code;
   torch::set_num_threads(1);
   try {
     const auto kind = pipeline::parse_schedule_kind(schedule);

@@ -21,6 +21,7 @@
 #include "megatorch/data/indexed_dataset.h"
 #include "megatorch/data/tokenizer_flags.h"
 #include "megatorch/io/atomic_file.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace md = megatorch::data;
 using nlohmann::json;
@@ -138,7 +139,8 @@ int main(int argc, char** argv) {
   samples_cmd->add_option("--num-samples", num_samples, "Samples wanted per split (train valid test; -1 = one epoch)")
       ->expected(3);
   samples_cmd->add_option("--out", out_dir, "Output directory")->required();
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "megatorch-dataset")) return *code;
 
   try {
     if (*info_cmd) return info(prefix);

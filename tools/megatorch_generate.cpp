@@ -31,6 +31,7 @@
 #include "megatorch/parallel/launch_env.h"
 #include "megatorch/parallel/parallel_state.h"
 #include "megatorch/pipeline/pipeline_stage.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace mt = megatorch;
 using mt::parallel::GroupKind;
@@ -289,7 +290,9 @@ int main(int argc, char** argv) {
   app.add_option("--pipeline-model-parallel-size", a.pp, "pipeline stages (run in turn for each token)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--prompt", a.prompts, "a text prompt (repeatable)");
+  // Cumulative, unlike every other flag (which takes its last value): each --prompt adds a prompt.
+  app.add_option("--prompt", a.prompts, "a text prompt; each --prompt adds one")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--prompts-file", a.prompts_file, "JSONL file, one {\"text\": \"...\"} or {\"ids\": [...]} per line");
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate per prompt")
       ->check(CLI::PositiveNumber)
@@ -308,7 +311,8 @@ int main(int argc, char** argv) {
                  "write one JSON line per prompt: prompt_ids, generated_ids, and prompt and text when the tokenizer "
                  "has text");
   mt::data::add_tokenizer_options(app, a.tokenizer);
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = mt::util::parse_or_exit(app, argc, argv, "megatorch-generate")) return *code;
   // Greedy unless a sampling flag is given: then top-k, then top-p on logits / temperature.
   a.sample = temperature->count() + top_k->count() + top_p->count() > 0;
   a.tokenizer_given = app.count("--tokenizer-type") > 0;

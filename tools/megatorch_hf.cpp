@@ -13,6 +13,7 @@
 #include "megatorch/check.h"
 #include "megatorch/ckpt/checkpoint.h"
 #include "megatorch/ckpt/hf_convert.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace ckpt = megatorch::ckpt;
 
@@ -30,7 +31,8 @@ int main(int argc, char** argv) {
   exp->add_option("--load", ckpt_dir, "megatorch checkpoint directory")->required();
   exp->add_option("--hf-dir", hf_dir, "directory to write config.json and model.safetensors to")->required();
   exp->add_option("--iteration", export_iteration, "iteration to export (-1: the latest)")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "megatorch-hf")) return *code;
   try {
     if (*imp) {
       const auto [c, arch] = ckpt::import_hf(hf_dir, ckpt_dir, iteration);

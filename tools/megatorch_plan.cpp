@@ -14,6 +14,7 @@
 #include "megatorch/check.h"
 #include "megatorch/plan/calibrate.h"
 #include "megatorch/plan/planner.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace mp = megatorch::plan;
 using nlohmann::json;
@@ -518,11 +519,8 @@ int main(int argc, char** argv) {
   app.add_option("--calibration", a.calibration, "calibration JSON written by --calibrate");
   auto* cal = app.add_option("--calibrate", a.calibrate_out, "time this machine and write the calibration JSON")
                   ->expected(0, 1);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "megatorch-plan")) return *code;
   try {
     if (cal->count() > 0) return run_calibrate(a, cl);
     mp::PlanRequest r;
@@ -552,6 +550,8 @@ int main(int argc, char** argv) {
     }
     r.cluster = cl;
     r.global_batch = global_batch;
+    MEGATORCH_CHECK(!(a.fp16 && a.bf16), "megatorch-plan: --fp16 and --bf16 contradict each other; give one of them "
+                    "(or --precision fp16|bf16)");
     r.precision = mp::parse_precision(a.fp16 ? "fp16" : a.bf16 ? "bf16" : a.precision);
     r.reserved_gb = reserved_gb;
     r.activations.mask_bytes = a.mask_bytes;

@@ -19,6 +19,7 @@
 #include "megatorch/check.h"
 #include "megatorch/data/preprocess.h"
 #include "megatorch/data/tokenizer_flags.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace md = megatorch::data;
 
@@ -40,7 +41,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-line-bytes", max_line_bytes, "A longer JSONL line fails with its line number")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "megatorch-preprocess")) return *code;
 
   try {
     const auto t0 = std::chrono::steady_clock::now();

@@ -22,6 +22,7 @@
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/pipeline/timeline_svg.h"
 #include "megatorch/plan/model_spec.h"
+#include "megatorch/util/cli_last_wins.h"
 
 namespace mp = megatorch::pipeline;
 namespace plan = megatorch::plan;
@@ -316,11 +317,8 @@ int main(int argc, char** argv) {
   app.add_flag("--actions", a.list_actions, "also print every rank's timed action list");
   app.add_flag("--p2p-steps", a.list_steps, "also print every rank's steps as the executor posts them (NCCL batches)");
   app.add_option("--svg", a.svg, "write the timeline as SVG to this file");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "megatorch-schedule")) return *code;
   // Given B and W, an unsplit backward costs their sum (so 1f1b compares with zb-h1).
   if (backward->count() == 0 && (b_cost->count() > 0 || w_cost->count() > 0)) {
     a.costs.backward_cost = a.costs.backward_input_cost + a.costs.backward_weight_cost;

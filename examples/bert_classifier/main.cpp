@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
   app.add_option("--save", a.save, "checkpoint directory to save to (at the end)");
   app.add_option("--save-interval", a.save_interval, "also save every this many iterations");
   app.add_option("--load", a.load, "checkpoint directory to resume from (any layout)");
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "bert_classifier")) return *code;
   at::set_num_threads(1);  // several ranks share the cores
   return examples::run_main("bert_classifier", [&] { return run(a); });
 }

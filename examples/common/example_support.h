@@ -2,11 +2,12 @@
 // What the classifier examples (bert_classifier, vit) share and nothing of either model:
 // the layout and training flags and their TrainingLoopOptions, labelled micro-batches in
 // Megatron's sampler order, this pipeline rank's layer ranges, the held-out accuracy and
-// main()'s error handling. Included as "../common/example_support.h", so it needs no
+// main()'s flag parsing (a repeated flag takes its last value) and error handling. Included as "../common/example_support.h", so it needs no
 // include path of its own.
 #include <CLI/CLI.hpp>
 #include <megatorch/megatorch.h>
 #include <megatorch/train/training_loop.h>
+#include <megatorch/util/cli_last_wins.h>
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -8,6 +8,7 @@
 #include <megatorch/megatorch.h>
 #include <megatorch/train/batch_loader.h>
 #include <megatorch/train/training_loop.h>
+#include <megatorch/util/cli_last_wins.h>
 
 #include <iostream>
 
@@ -32,7 +33,8 @@ int main(int argc, char** argv) {
   app.add_option("--data-path", data, "Megatron .bin/.idx prefix of ByteLevel tokens");
   app.add_option("--log-json", log_json, "one JSON object per iteration");
   app.add_option("--device", device, "cpu | cuda | auto");
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = util::parse_or_exit(app, argc, argv, "custom_loop")) return *code;
   at::set_num_threads(1);  // several ranks share the cores
   try {
     train::TrainingLoop loop(train::TrainingLoopOptions().tensor_parallel(tp).pipeline_parallel(pp).zero_stage(zero)

@@ -133,7 +133,8 @@ int main(int argc, char** argv) {
   app.add_option("--heads", a.heads, "attention heads");
   app.add_option("--dropout", a.dropout, "hidden and attention dropout");
   app.add_option("--min-accuracy", a.min_accuracy, "exit 1 below this held-out accuracy");
-  CLI11_PARSE(app, argc, argv);
+  // A repeated flag takes its last value, as in Megatron (launch scripts append overrides).
+  if (auto code = megatorch::util::parse_or_exit(app, argc, argv, "vit")) return *code;
   at::set_num_threads(1);  // several ranks share the cores
   return examples::run_main("vit", [&] { return run(a); });
 }

@@ -27,8 +27,8 @@ def free_port():
 
 
 def with_flags(args):
-    """MODEL with `args` ("--flag value" pairs or bare switches) replacing MODEL's own values:
-    CLI11 refuses a flag given twice, which would name the flag for the wrong reason."""
+    """MODEL with `args` ("--flag value" pairs or bare switches) replacing MODEL's own values
+    (a flag given twice would take its last value anyway; this keeps the launch readable)."""
     given = {a for a in args if a.startswith("--")}
     base, i = [], 0
     while i < len(MODEL):
@@ -40,12 +40,14 @@ def with_flags(args):
     return [*base, *args]
 
 
-def run(args, env=None, timeout=120):
-    """gpt_pretrain as the only rank of a world of one (the variables torchrun would set)."""
+def run(args, env=None, timeout=120, replace=True):
+    """gpt_pretrain as the only rank of a world of one (the variables torchrun would set);
+    `args` after MODEL's flags, replacing them unless `replace` is false."""
     e = {k: v for k, v in os.environ.items() if k != "MEGATORCH_COMM_TIMEOUT_S"}
-    e.update(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **(env or {}))
-    return subprocess.run([str(TRAIN), *with_flags(args)], capture_output=True, text=True, timeout=timeout, env=e)
+    e.update(dict(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), **(env or {}))
+    argv = with_flags(args) if replace else [*MODEL, *args]
+    return subprocess.run([str(TRAIN), *argv], capture_output=True, text=True, timeout=timeout, env=e)
 
 
 def assert_refused(out, name):
@@ -138,3 +140,30 @@ def test_schedule_names_are_the_pipelines():
         out.stderr[-3000:]
     out = run(["--train-iters", "1", "--eval-iters", "0", "--schedule", "PipeDream-Flush"])
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_repeated_flag_takes_its_last_value(tmp_path):
+    """Megatron's launch scripts append overrides to shared arguments ($COMMON_ARGS
+    --global-batch-size 8): as argparse, the last value wins, a list flag's last list whole,
+    and the startup log names each override once."""
+    out = run(["--train-iters", "1", "--eval-iters", "0", "--global-batch-size", "8",
+               "--data-path", str(tmp_path / "missing"), "--data-path", str(DATA)], replace=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "global batch 8 = micro-batch 2 x 4 micro-batches x dp 1" in out.stdout, out.stdout[-2000:]
+    line = "[megatorch] gpt_pretrain: --global-batch-size given 2 times; using the last: 8 (overrides 4)"
+    assert out.stdout.count(line) == 1, out.stdout[-3000:]
+    line = (f"[megatorch] gpt_pretrain: --data-path given 3 times; using the last: {DATA} "
+            f"(overrides {DATA}, {tmp_path / 'missing'})")
+    assert out.stdout.count(line) == 1, out.stdout[-3000:]
+
+
+@pytest.mark.parametrize("rank, printed", [("0", 0), ("1", 1)])
+def test_overrides_are_logged_once_and_contradictions_still_refused(rank, printed):
+    """The override line comes from the rank that prints the startup lines (the last), before
+    anything connects; --fp16 with --bf16 is a contradiction, not an override, and stays an error."""
+    out = run(["--global-batch-size", "8", "--fp16", "--bf16", "--fp16"], env={"RANK": rank, "WORLD_SIZE": "2"},
+              replace=False)
+    assert_refused(out, "--bf16 and --fp16 contradict each other")
+    line = "[megatorch] gpt_pretrain: --global-batch-size given 2 times; using the last: 8 (overrides 4)"
+    assert out.stdout.count(line) == printed, out.stdout[-3000:]
+    assert out.stdout.count("--fp16 given 2 times") == printed, out.stdout[-3000:]
