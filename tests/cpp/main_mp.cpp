@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <string>
 
+#include "rounding_path.h"
+
 int main(int argc, char** argv) {
-  torch::set_num_threads(1);
+  rounding_path::configure_and_report();
   Catch::Session session;
   if (int rc = session.applyCommandLine(argc, argv)) return rc;
   const char* rank = std::getenv("RANK");

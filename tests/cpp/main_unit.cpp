@@ -3,7 +3,9 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
+#include "rounding_path.h"
+
 int main(int argc, char** argv) {
-  torch::set_num_threads(1);
+  rounding_path::configure_and_report();
   return Catch::Session().run(argc, argv);
 }

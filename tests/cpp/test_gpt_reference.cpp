@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "gpt_test_util.h"
+#include "tolerance.h"
 
 using megatorch::models::GPTModel;
 using megatorch::models::GPTModelOptions;
@@ -97,8 +98,8 @@ TEST_CASE("GPTModel (TP=1) equals an independent plain implementation", "[gpt]")
     ref.backward();
     CHECK(torch::allclose(loss, ref, 1e-5, 0));
     for (const auto& p : model->named_parameters()) {
-      INFO(p.key() << " max abs diff " << (grads[p.key()] - p.value().grad()).abs().max().item<double>());
-      CHECK(torch::allclose(grads[p.key()], p.value().grad(), 1e-5, 1e-6));
+      INFO(p.key());
+      CHECK_CLOSE(grads[p.key()], p.value().grad());
     }
   }
 }
@@ -126,7 +127,7 @@ TEST_CASE("recomputation gives the same loss and gradients, dropout included", "
     CHECK(torch::equal(losses[i], losses[0]));  // same masks, same arithmetic
     for (const auto& [k, g] : grads[0]) {
       INFO("recompute mode " << i << ", " << k);
-      CHECK(torch::allclose(grads[i][k], g, 1e-6, 1e-7));
+      CHECK_CLOSE(grads[i][k], g, 1e-6);
     }
   }
 }

@@ -10,6 +10,8 @@
 #include <limits>
 #include <numeric>
 
+#include "tolerance.h"
+
 using megatorch::inference::GenerationOptions;
 using megatorch::inference::KVCache;
 using megatorch::inference::SamplingOptions;
@@ -73,7 +75,7 @@ TEST_CASE("the KV-cached forward gives the full forward's logits at every positi
       int64_t at = 0;
       for (int64_t s : steps) {
         const auto got = model->forward_cached(ids.narrow(1, at, s), at, caches);
-        CHECK(torch::allclose(got, full.narrow(0, at, s), 1e-5, 1e-5));
+        CHECK_CLOSE(got, full.narrow(0, at, s));
         at += s;
       }
       for (const auto& cache : caches) CHECK(cache.length == kSeq);

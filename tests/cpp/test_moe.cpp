@@ -10,6 +10,7 @@
 
 #include "megatorch/kernels/grouped_gemm.h"
 #include "megatorch/moe/moe_layer.h"
+#include "tolerance.h"
 
 using megatorch::moe::MoELayer;
 using megatorch::moe::MoELayerOptions;
@@ -89,7 +90,7 @@ TEST_CASE("The router assigns T k rows, k distinct experts per token, weights as
     }
     if (cs.norm) want = want / want.sum(-1, true);
     want = want * cs.scale;
-    CHECK(torch::allclose(r.weights, want, 1e-5, 1e-6));
+    CHECK_CLOSE(r.weights, want);
     // This rank is the whole token group: the losses are the formulas on its tokens.
     const at::Tensor probs = cs.score == RouterScore::kSigmoid ? at::sigmoid(logits) / at::sigmoid(logits).sum(-1, true)
                                                                : at::softmax(logits, -1);
@@ -168,13 +169,13 @@ TEST_CASE("grouped_gemm equals a GEMM per group, empty groups included, in both 
     }();
     auto ref = megatorch::kernels::grouped_gemm(x, w, counts, false);
     auto rgrads = torch::autograd::grad({ref}, {x, w}, {g});
-    CHECK(torch::allclose(out, ref, 1e-5, 1e-6));
-    CHECK(torch::allclose(gx, rgrads[0], 1e-5, 1e-6));
-    CHECK(torch::allclose(gw, rgrads[1], 1e-5, 1e-6));
+    CHECK_CLOSE(out, ref);
+    CHECK_CLOSE(gx, rgrads[0]);
+    CHECK_CLOSE(gw, rgrads[1]);
     int64_t at = 0;
     for (size_t e = 0; e < counts.size(); ++e) {
       if (counts[e] > 0) {
-        CHECK(torch::allclose(out.narrow(0, at, counts[e]), at::mm(x.narrow(0, at, counts[e]), w[e]), 1e-5, 1e-6));
+        CHECK_CLOSE(out.narrow(0, at, counts[e]), at::mm(x.narrow(0, at, counts[e]), w[e]));
       }
       at += counts[e];
     }
@@ -206,7 +207,7 @@ TEST_CASE("The MoE layer is each token's weighted sum over its experts, plus the
         }
       }
       INFO("activation " << megatorch::transformer::to_string(act) << " grouped " << grouped);
-      CHECK(torch::allclose(out.reshape({12, 16}), want, 1e-5, 1e-5));
+      CHECK_CLOSE(out.reshape({12, 16}), want);
     }
   }
 }
@@ -236,8 +237,7 @@ TEST_CASE("The auxiliary losses join backward with the main loss's scale", "[moe
   ((r.aux_loss + r.z_loss) * scale).backward();
   // Three backward passes summed in another order (and threads): rounding only.
   const at::Tensor want = plain->router->weight.grad() + layer->router->weight.grad();
-  INFO("max diff " << (with_aux - want).abs().max().item<double>() << " of " << want.abs().max().item<double>());
-  CHECK(torch::allclose(with_aux, want, 1e-5, 1e-6));
+  CHECK_CLOSE(with_aux, want);
   CHECK(layer->stats().aux_loss.item<double>() == Approx(r.aux_loss.item<double>()));
 }
 

@@ -7,6 +7,7 @@
 
 #include "gpt_test_util.h"
 #include "mp_util.h"
+#include "tolerance.h"
 
 using megatorch::comm::CommOp;
 using megatorch::comm::Group;
@@ -16,9 +17,11 @@ using megatorch::parallel::GroupKind;
 
 namespace {
 
+// Every parity check also shows the comparison would catch an error of 1e-4 relative.
 void check_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  INFO(what << ": max abs diff " << (got - want).abs().max().item<double>());
-  CHECK(torch::allclose(got, want, 1e-5, 1e-6));
+  INFO(what);
+  CHECK_CLOSE(got, want);
+  CHECK_DETECTS_ERROR(got, want);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "gpt_test_util.h"
 #include "megatorch/moe/moe_layer.h"
 #include "mp_util.h"
+#include "tolerance.h"
 
 using megatorch::comm::CommOp;
 using megatorch::comm::Group;
@@ -80,13 +81,14 @@ LayerRun run_against_reference(moe::MoELayer& layer, moe::MoELayer& ref, Group& 
 // shard (expert_shard) of the reference's summed over every rank's tokens.
 void check_gradients(moe::MoELayer& layer, moe::MoELayer& ref, const LayerRun& run, Group& world, int64_t ep_rank,
                      int64_t ep, int64_t etp_rank, int64_t etp, int64_t glu) {
-  CHECK(torch::allclose(run.grad, run.want_grad, 1e-5, 1e-6));
-  CHECK(torch::allclose(layer->router->weight.grad(), ref->router->weight.grad(), 1e-5, 1e-6));
+  CHECK_CLOSE(run.grad, run.want_grad);
+  CHECK_CLOSE(layer->router->weight.grad(), ref->router->weight.grad());
+  CHECK_DETECTS_ERROR(layer->router->weight.grad(), ref->router->weight.grad());
   for (const auto& p : layer->experts->named_parameters()) {
     at::Tensor full = ref->experts->named_parameters()[p.key()].grad().clone();
     world.all_reduce(full);
     INFO(p.key());
-    CHECK(torch::allclose(p.value().grad(), expert_shard(p.key(), full, ep_rank, ep, etp_rank, etp, glu), 1e-5, 1e-6));
+    CHECK_CLOSE(p.value().grad(), expert_shard(p.key(), full, ep_rank, ep, etp_rank, etp, glu));
   }
 }
 
@@ -118,7 +120,7 @@ TEST_CASE("An MoE layer at EP = world equals one rank's; the dispatch moves exac
       const int64_t h = 16, t = 10, e = base.num_experts(), local = e / world;
       const LayerRun run = run_against_reference(layer, ref, epg, 40, st->rank());
       const auto& forward_stats = run.forward;
-      CHECK(torch::allclose(run.out, run.want, 1e-5, 1e-6));
+      CHECK_CLOSE(run.out, run.want);
       // The rows each rank's experts process, from every rank's routing (the reference's).
       const auto routing = ref->router->forward(run.x.reshape({t, h}));
       const at::Tensor rows = worldg.all_gather(routing.selection.sum(1), 0).reshape({world, e});  // [src, expert]
@@ -188,7 +190,7 @@ TEST_CASE("An MoE layer with expert tensor parallelism equals one rank's; ETP mo
         }
         const int64_t h = 16, t = 10;
         const LayerRun run = run_against_reference(layer, ref, etpg, 60, st->rank());
-        CHECK(torch::allclose(run.out, run.want, 1e-5, 1e-6));
+        CHECK_CLOSE(run.out, run.want);
         if (ep == 1 && type == TokenDispatcher::kAllToAll) {
           // Each rank's routed rows, all-gathered (sent to etp - 1 ranks) and reduce-scattered
           // back (every other rank's rows sent to it); backward the same, transposed.
@@ -315,8 +317,8 @@ TEST_CASE("GPT with experts at EP 2 and 4 and ETP 2 (over DP, with TP2 + SP, wit
               const int64_t glu = config.activation() == megatorch::transformer::Activation::kSwiGLU ? 2 : 1;
               const at::Tensor expected =
                   expert ? expert_shard(name, want, ep_rank, layout.ep, etp_rank, layout.etp, glu) : want;
-              INFO(key << " (" << name << ") max diff " << (grad - expected).abs().max().item<double>());
-              CHECK(torch::allclose(grad, expected, 1e-5, 1e-6));
+              INFO(key << " (" << name << ")");
+              CHECK_CLOSE(grad, expected);
             });
       }
     }

@@ -11,6 +11,7 @@
 #include "megatorch/plan/model_spec.h"
 #include "mp_util.h"
 #include "optim_test_util.h"
+#include "tolerance.h"
 
 using megatorch::comm::CommOp;
 using megatorch::comm::Group;
@@ -64,7 +65,14 @@ std::pair<GPTModel, std::vector<double>> train_reference(const gpt_test::Transfo
   return {ref, losses};
 }
 
-void check_params_match(Setup& s, GPTModel& ref, const gpt_test::TransformerConfig& c) {
+// Parameters after `steps` AdamW steps at rate kLr. Adam moves each element by about lr per
+// step whatever its gradient's size, so an element whose gradient is near zero (the key bias's
+// is zero in exact arithmetic) carries its gradient's rounding into a step of lr·noise/eps:
+// the trajectories agree to ~1e-5 of (the parameter's magnitude + lr·steps), measured up to
+// 1.2e-5 at 4 ranks. rtol 1e-4 of that keeps a 10x margin for another CPU's rounding and still
+// fails a missing weight decay (lr·wd·|w|·steps, 5x the allowance) or a wrong bias correction.
+void check_params_match(Setup& s, GPTModel& ref, const gpt_test::TransformerConfig& c, int steps) {
+  constexpr double kTrajectoryRtol = 1e-4;
   for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->gather_unit(u);
   auto want = ref->named_parameters();
   const int64_t tp_rank = s.st->tp_rank(), tp = s.st->tp_size();
@@ -72,8 +80,7 @@ void check_params_match(Setup& s, GPTModel& ref, const gpt_test::TransformerConf
     INFO(p.key());
     const auto expected = gpt_test::expected_shard(p.key(), want[p.key()].detach(), p.value(), tp_rank, tp, c);
     auto got = p.value().detach();
-    INFO("max abs diff " << (got - expected).abs().max().item<double>());
-    CHECK(torch::allclose(got, expected, 1e-5, 1e-6));
+    CHECK_CLOSE(got, expected, kTrajectoryRtol, expected.abs().max().item<double>() + kLr * steps);
   }
   for (int64_t u = 0; u < s.opt->num_units(); ++u) s.opt->release_unit(u);
 }
@@ -102,7 +109,7 @@ TEST_CASE("ZeRO 0-3 over all ranks, and DP x TP, train like single-rank AdamW on
         INFO("step " << step);
         CHECK(loss == Approx(ref_losses[step]).epsilon(1e-5));
       }
-      check_params_match(s, ref, c);
+      check_params_match(s, ref, c, steps);
     }
   }
 }

@@ -8,6 +8,7 @@
 
 #include "gpt_test_util.h"
 #include "mp_util.h"
+#include "tolerance.h"
 
 using megatorch::comm::Group;
 using megatorch::models::GPTModel;
@@ -80,8 +81,9 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         gpt_test::for_each_stage_gradient(
             stage, full, config, tpg.rank(), tpg.size(),
             [](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
-              INFO(key << " (" << name << ") max diff " << (p.grad() - want).abs().max().item<double>());
-              CHECK(torch::allclose(p.grad(), want, 1e-5, 1e-6));
+              INFO(key << " (" << name << ")");
+              CHECK_CLOSE(p.grad(), want);
+              CHECK_DETECTS_ERROR(p.grad(), want);
             });
         // Peak stashed activations: exactly the simulated schedule's peak in flight.
         const auto sim = pipeline::simulate_schedule(kind, ppn, m, v);

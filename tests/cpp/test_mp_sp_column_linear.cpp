@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "mp_util.h"
+#include "tolerance.h"
 
 using megatorch::comm::CommOp;
 using megatorch::comm::Group;
@@ -24,14 +25,9 @@ std::vector<int64_t> tp_sizes() {
 
 constexpr int64_t S = 3, B = 2, IN = 8, OUT = 5;  // per rank: [S, B, IN] shard, [OUT, IN] weight
 
-double max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
-
 void check_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  REQUIRE(got.defined());
-  REQUIRE(want.defined());
-  REQUIRE(got.sizes() == want.sizes());
-  INFO(what << ": max abs diff " << max_diff(got, want));
-  CHECK(max_diff(got, want) <= 1e-6);
+  INFO(what);
+  CHECK_CLOSE(got, want);
 }
 
 struct Leaves {

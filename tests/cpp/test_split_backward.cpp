@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "gpt_test_util.h"
+#include "tolerance.h"
 
 namespace mp = megatorch::pipeline;
 
@@ -66,7 +67,7 @@ TEST_CASE("split backward: B gives the input gradient, W the weight gradients, a
     g_count_backwards = 0;
     auto pass = mp::backward_input(c.net.forward(x, reuse), c.grad, x);
     REQUIRE(x.grad().defined());
-    CHECK(torch::allclose(x.grad(), x_ref.grad(), 1e-6, 1e-6));
+    CHECK_CLOSE(x.grad(), x_ref.grad());
     // B computed no GEMM's weight gradient: they wait in W, one split node per use of a
     // linear layer (the norm's, and a bias added on its own, come in B).
     CHECK(pass.pending());
@@ -82,7 +83,7 @@ TEST_CASE("split backward: B gives the input gradient, W the weight gradients, a
     for (const auto& item : got) {
       INFO(item.key());
       REQUIRE(item.value().grad().defined());
-      CHECK(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-6, 1e-6));
+      CHECK_CLOSE(item.value().grad(), want[item.key()].grad());
     }
   }
 }
@@ -96,7 +97,7 @@ TEST_CASE("split backward: a first stage leaves the whole backward to W; a non-l
   CHECK(pass.num_roots() == 1);
   pass.run();
   auto got = c.net.named_parameters(), want = c.ref.named_parameters();
-  for (const auto& item : got) CHECK(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-6, 1e-6));
+  for (const auto& item : got) CHECK_CLOSE(item.value().grad(), want[item.key()].grad());
 
   const at::Tensor leaf = torch::randn({3, 4, 6}).requires_grad_();
   const at::Tensor not_leaf = leaf * 2;
@@ -123,7 +124,7 @@ TEST_CASE("split backward: a middle GPT stage leaves every weight gradient to W"
       const at::Tensor grad = torch::randn({config.seq_length(), 2, config.hidden_size()});
       whole->forward(x_ref).backward(grad);
       auto pass = mp::backward_input(split->forward(x), grad, x);
-      CHECK(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+      CHECK_CLOSE(x.grad(), x_ref.grad());
       // The weight matrices' gradients wait in W (the norms' and biases' come in B).
       const bool replayed = config.recompute() == megatorch::transformer::Recompute::kFull;
       CHECK(pass.pending() != replayed);
@@ -135,7 +136,7 @@ TEST_CASE("split backward: a middle GPT stage leaves every weight gradient to W"
       for (const auto& item : split->named_parameters()) {
         INFO(item.key());
         REQUIRE(item.value().grad().defined());
-        CHECK(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-5, 1e-6));
+        CHECK_CLOSE(item.value().grad(), want[item.key()].grad());
       }
     }
   }
