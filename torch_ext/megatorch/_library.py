@@ -36,3 +36,13 @@ def load_library() -> Path:
         torch.ops.load_library(str(path))
         _loaded = path
     return _loaded
+
+
+def library_version():
+    """The loaded libmegatorch.so's version, ``torch.ops.megatorch.version()``; None for a
+    library built before 0.3.0, which does not report one."""
+    load_library()
+    try:
+        return torch.ops.megatorch.version()
+    except (AttributeError, RuntimeError):
+        return None
