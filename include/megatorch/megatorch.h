@@ -1,6 +1,7 @@
 #pragma once
 // Umbrella header: everything a C++ user of megatorch needs.
 #include "megatorch/check.h"
+#include "megatorch/version.h"
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/comm/mappings.h"
@@ -50,6 +51,8 @@
 #include "megatorch/optim/distributed_optimizer.h"
 #include "megatorch/optim/loss_scaler.h"
 #include "megatorch/train/model_parameters.h"
+// The names that moved to train:: in 0.3.0, deprecated (code written against optim:: compiles).
+#include "megatorch/optim/model_parameters.h"
 #include "megatorch/train/training_loop.h"
 #include "megatorch/data/blended_dataset.h"
 #include "megatorch/data/gpt_dataset.h"
