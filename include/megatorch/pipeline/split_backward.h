@@ -43,7 +43,7 @@ class WeightGradPass {
 
  private:
   friend WeightGradPass backward_input(const at::Tensor& output, const at::Tensor& grad, const at::Tensor& input);
-  torch::autograd::edge_list roots_;  // (split node, input number) for each gradient it was given in B
+  std::vector<torch::autograd::Edge> roots_;  // (split node, input number) for each gradient it was given in B
   std::vector<at::Tensor> grads_;     // those gradients
   int64_t split_nodes_ = 0;
 };
