@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import megatorch.cpp as mt
+from tolerance import assert_close
 
 
 def world_group():
@@ -132,4 +133,4 @@ def test_a_one_rank_cp_group_reaches_the_cpp_layer():
         results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters().items()}))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
     for k, g in results[0][1].items():
-        torch.testing.assert_close(results[1][1][k], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        assert_close(results[1][1][k], g, msg=k)

@@ -1,10 +1,12 @@
 """fused_adamw_ against torch.optim.AdamW (single-tensor path), on CPU and, when
-present, on the GPU. Tolerance: 1e-6 absolute + 1e-5 relative after several steps —
-the same fp32 formula, only the association of a few products differs."""
+present, on the GPU. Tolerance: 1e-5 relative to each tensor's magnitude after several
+steps (tolerance.assert_close) -- the same fp32 formula, only the association of a few
+products differs."""
 import pytest
 import torch
 
 import megatorch  # noqa: F401  (loads the operators)
+from tolerance import assert_close
 
 SIZES = [1, 7, 33, 1000, 4099]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -35,9 +37,10 @@ def _run(device, grad_dtype, model_dtype, steps=4):
                                          HYPER["betas"][1], HYPER["eps"], HYPER["weight_decay"], step, models)
     for i, (p, r) in enumerate(zip(ps, ref)):
         state = opt.state[r]
-        torch.testing.assert_close(p.cpu(), r.detach(), rtol=1e-5, atol=1e-6, msg=f"param {i}")
-        torch.testing.assert_close(ms[i].cpu(), state["exp_avg"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(vs[i].cpu(), state["exp_avg_sq"], rtol=1e-5, atol=1e-7)
+        assert_close(p.cpu(), r.detach(), msg=f"param {i}")
+        assert_close(ms[i].cpu(), state["exp_avg"], msg=f"exp_avg {i}")
+        # A sum of positive terms (no cancellation): relative to each element itself.
+        assert_close(vs[i].cpu(), state["exp_avg_sq"], scale=0.0, msg=f"exp_avg_sq {i}")
         if models is not None:
             assert torch.equal(models[i], p.to(model_dtype)), "model copy is the fp32 param cast"
 
@@ -62,7 +65,7 @@ def test_fused_adamw_many_tensors_cpu():
     v = [torch.zeros_like(x) for x in p]
     torch.ops.megatorch.fused_adamw_(p, g, m, v, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 1)
     for a, b in zip(p, ref):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        assert_close(a, b.detach())
 
 
 def test_fused_adamw_rejects_bad_arguments():
@@ -100,4 +103,4 @@ def test_fused_adamw_cuda_matches_cpu():
     torch.ops.megatorch.fused_adamw_(*cpu, 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, cpu_model)
     torch.ops.megatorch.fused_adamw_(*gpu, 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, gpu_model)
     for a, b in zip(cpu[0] + cpu[2] + cpu[3], gpu[0] + gpu[2] + gpu[3]):
-        torch.testing.assert_close(b.cpu(), a, rtol=1e-6, atol=1e-7)
+        assert_close(b.cpu(), a, rtol=1e-6)  # the same formula; the GPU contracts other products into FMAs

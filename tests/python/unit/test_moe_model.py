@@ -5,6 +5,8 @@ grouped GEMM and the dispatch on CUDA)."""
 import pytest
 import torch
 
+from tolerance import assert_close
+
 # Built only where the interpreter has its headers (a GPU image without python3-dev has none).
 mt = pytest.importorskip("megatorch.cpp", reason="the Python extension megatorch.cpp was not built: this interpreter "
                          "has no Python headers (install python3-dev and rebuild)")
@@ -75,4 +77,6 @@ def test_moe_on_cuda_equals_cpu(dtype):
         return  # bf16 hidden states may route a near-tie elsewhere: the loss is the check
     want = dict(cpu.named_parameters().items())["layers.0.mlp.experts.fc1_weight"].grad
     have = dict(gpu.named_parameters().items())["layers.0.mlp.experts.fc1_weight"].grad.float().cpu()
-    assert torch.allclose(have, want, rtol=tol * 10, atol=tol)
+    # fp32 GPU against CPU: other summation orders (cuBLAS, the CPU's GEMMs), relative to
+    # the gradient's magnitude (tolerance.assert_close); the rtol is kept as it was.
+    assert_close(have, want, rtol=tol * 10)
