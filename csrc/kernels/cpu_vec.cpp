@@ -172,14 +172,14 @@ MT_VEC_CLONES void normalize(const float* x, float mean, float rstd, const float
   }
 }
 
-MT_VEC_CLONES void adamw(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1,
-                         float beta2, float eps, float step_size, float bias_correction2_sqrt) {
+MT_VEC_CLONES void adamw(float* p, const float* g, float* m, float* v, int64_t n, float decay, float one_minus_beta1,
+                         float beta2, float one_minus_beta2, float eps, float step_size, float bias_correction2_sqrt) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float grad = g[i];
     float param = p[i] * decay;
-    const float mi = m[i] + (1.0f - beta1) * (grad - m[i]);
-    const float vi = v[i] * beta2 + (1.0f - beta2) * grad * grad;
+    const float mi = m[i] + one_minus_beta1 * (grad - m[i]);
+    const float vi = v[i] * beta2 + one_minus_beta2 * grad * grad;
     param -= step_size * (mi / (std::sqrt(vi) / bias_correction2_sqrt + eps));
     p[i] = param;
     m[i] = mi;

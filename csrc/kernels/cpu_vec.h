@@ -35,8 +35,9 @@ void softmax_backward(const float* g, const float* y, float scale, float* dx, in
 void normalize(const float* x, float mean, float rstd, const float* w, const float* b, float* y, int64_t n);
 
 // One AdamW step on fp32 p, m, v with fp32 grads g (fused_adamw.h has the formula).
-void adamw(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1, float beta2, float eps,
-           float step_size, float bias_correction2_sqrt);
+// one_minus_beta1/2 are 1 - beta computed in double and rounded once (as torch passes them).
+void adamw(float* p, const float* g, float* m, float* v, int64_t n, float decay, float one_minus_beta1, float beta2,
+           float one_minus_beta2, float eps, float step_size, float bias_correction2_sqrt);
 // bfloat16 (as its bits) <-> fp32; round to nearest even, NaN kept a (quiet) NaN.
 void bf16_to_f32(const uint16_t* x, float* y, int64_t n);
 void f32_to_bf16(const float* x, uint16_t* y, int64_t n);

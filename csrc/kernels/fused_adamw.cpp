@@ -12,8 +12,10 @@ namespace {
 
 bool is_16_or_32(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
+// 1 - beta in double, then rounded once, as torch.optim.AdamW passes it (a Python float) to
+// its kernels: float(1 - 0.999) is 1e-3 to the last bit, 1.0f - float(0.999) is 1.3e-5 short.
 struct Scalars {
-  float decay, beta1, beta2, eps, step_size, bias_correction2_sqrt;
+  float decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt;
 };
 
 // The arithmetic of torch.optim.AdamW's single-tensor path, in fp32 (vec::adamw), over
@@ -26,8 +28,8 @@ void adamw_cpu(float* p, const G* g, float* m, float* v, M* model, int64_t n, co
     float gbuf[kChunk];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i = c * kChunk, len = std::min(kChunk, n - i);
-      vec::adamw(p + i, detail::load_f32(g + i, len, gbuf), m + i, v + i, len, s.decay, s.beta1, s.beta2, s.eps,
-                 s.step_size, s.bias_correction2_sqrt);
+      vec::adamw(p + i, detail::load_f32(g + i, len, gbuf), m + i, v + i, len, s.decay, s.one_minus_beta1, s.beta2,
+                 s.one_minus_beta2, s.eps, s.step_size, s.bias_correction2_sqrt);
       if (model) {
         if constexpr (std::is_same_v<M, float>) {
           std::copy(p + i, p + i + len, model + i);
@@ -76,7 +78,8 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_
       p.grad_dtype = gd;
       p.model_dtype = md;
       p.has_model = model.has_value();
-      p.decay = s.decay, p.beta1 = s.beta1, p.beta2 = s.beta2, p.eps = s.eps;
+      p.decay = s.decay, p.one_minus_beta1 = s.one_minus_beta1, p.beta2 = s.beta2;
+      p.one_minus_beta2 = s.one_minus_beta2, p.eps = s.eps;
       p.step_size = s.step_size, p.bias_correction2_sqrt = s.bias_correction2_sqrt;
     }
     const int k = p.count++;
@@ -141,8 +144,10 @@ void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   // Bias corrections in double, as torch.optim.AdamW computes them in Python floats.
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  const Scalars s{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(beta1), static_cast<float>(beta2),
-                  static_cast<float>(eps), static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2))};
+  const Scalars s{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(1.0 - beta1),
+                  static_cast<float>(beta2),                        static_cast<float>(1.0 - beta2),
+                  static_cast<float>(eps),                          static_cast<float>(lr / bc1),
+                  static_cast<float>(std::sqrt(bc2))};
   if (params[0].is_cuda()) {
     detail::check_cuda_build("fused_adamw_");
 #ifdef MEGATORCH_WITH_CUDA

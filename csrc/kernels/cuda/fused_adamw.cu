@@ -18,8 +18,8 @@ __global__ void adamw_kernel(AdamWParams p) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = to_float(grad[i]);
     float w = param[i] * p.decay;
-    const float mi = m[i] + (1.0f - p.beta1) * (g - m[i]);
-    const float vi = v[i] * p.beta2 + (1.0f - p.beta2) * g * g;
+    const float mi = m[i] + p.one_minus_beta1 * (g - m[i]);
+    const float vi = v[i] * p.beta2 + p.one_minus_beta2 * g * g;
     w -= p.step_size * (mi / (sqrtf(vi) / p.bias_correction2_sqrt + p.eps));
     param[i] = w;
     m[i] = mi;

@@ -121,7 +121,7 @@ struct AdamWParams {
   DType model_dtype;
   bool has_model;
   float decay;  // 1 - lr·weight_decay
-  float beta1, beta2, eps;
+  float one_minus_beta1, beta2, one_minus_beta2, eps;  // 1 - beta from double, rounded once
   float step_size;             // lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
 };

@@ -19,11 +19,12 @@ def _devices():
     return out
 
 
-def _run(device, grad_dtype, model_dtype, steps=4):
+def _run(device, grad_dtype, model_dtype, steps=4, betas=HYPER["betas"]):
+    hyper = dict(HYPER, betas=betas)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=gen) for n in SIZES]
     ref = [p.clone().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(ref, foreach=False, fused=False, **HYPER)
+    opt = torch.optim.AdamW(ref, foreach=False, fused=False, **hyper)
     ps = [p.clone().to(device) for p in params]
     ms = [torch.zeros_like(p) for p in ps]
     vs = [torch.zeros_like(p) for p in ps]
@@ -33,8 +34,8 @@ def _run(device, grad_dtype, model_dtype, steps=4):
         for r, g in zip(ref, grads):
             r.grad = g.float()
         opt.step()
-        torch.ops.megatorch.fused_adamw_(ps, [g.to(device) for g in grads], ms, vs, HYPER["lr"], HYPER["betas"][0],
-                                         HYPER["betas"][1], HYPER["eps"], HYPER["weight_decay"], step, models)
+        torch.ops.megatorch.fused_adamw_(ps, [g.to(device) for g in grads], ms, vs, hyper["lr"], betas[0], betas[1],
+                                         hyper["eps"], hyper["weight_decay"], step, models)
     for i, (p, r) in enumerate(zip(ps, ref)):
         state = opt.state[r]
         assert_close(p.cpu(), r.detach(), msg=f"param {i}")
@@ -50,6 +51,13 @@ def _run(device, grad_dtype, model_dtype, steps=4):
 @pytest.mark.parametrize("model_dtype", [None, torch.bfloat16, torch.float16])
 def test_fused_adamw_matches_torch(device, grad_dtype, model_dtype):
     _run(device, grad_dtype, model_dtype)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_fused_adamw_default_betas(device):
+    # beta2 = 0.999: 1 - beta2 must be rounded from double once, as torch passes it; 1.0f minus
+    # float(0.999) is 1.3e-5 short, which exp_avg_sq (compared to 1e-5 of itself) shows.
+    _run(device, torch.float32, None, betas=(0.9, 0.999))
 
 
 def test_fused_adamw_many_tensors_cpu():
