@@ -127,7 +127,7 @@ TEST_CASE("recomputation gives the same loss and gradients, dropout included", "
     CHECK(torch::equal(losses[i], losses[0]));  // same masks, same arithmetic
     for (const auto& [k, g] : grads[0]) {
       INFO("recompute mode " << i << ", " << k);
-      CHECK_CLOSE(grads[i][k], g, 1e-6);
+      CHECK(torch::equal(grads[i][k], g));  // the recomputed forward is the same arithmetic
     }
   }
 }
