@@ -198,8 +198,7 @@ class StepRun {
       if (keep_graph) st.input = input.requires_grad_(true);
     }
     // Compute starts once the input is here: waiting on the receive is bubble, not work.
-    const int64_t interval = timer_.start();
-    timed_.push_back(a);
+    const int64_t interval = start_timing(a);
     const MicroBatch& mb = mbs_[a.microbatch];
     at::Tensor out = stage_.forward_chunk(a.chunk, input, mb);
     const bool last = stage_.is_last_virtual_stage(a.chunk);
@@ -219,7 +218,7 @@ class StepRun {
     } else {
       st.output = out;  // until sent, or read by the next chunk on this rank
     }
-    timer_.stop(interval);
+    stop_timing(interval);
   }
 
   // A whole backward, or a split backward's B (the input gradient; W kept for later).
@@ -236,14 +235,13 @@ class StepRun {
       grad = take(st.grad, a);
     }
     const bool whole = a.kind == ActionKind::kBackward;
-    const int64_t interval = timer_.start();
-    timed_.push_back(a);
+    const int64_t interval = start_timing(a);
     if (whole) {
       backward_from(st.output, grad);
     } else {
       st.weights = backward_input(st.output, grad, st.input);
     }
-    timer_.stop(interval);
+    stop_timing(interval);
     st.output = at::Tensor();  // W holds what it needs of the graph
     if (whole) unstash(a.chunk);
   }
@@ -253,10 +251,9 @@ class StepRun {
   void backward_weight(const Action& a) {
     ChunkState& st = chunks_.at(key_of(a));
     before_backward();
-    const int64_t interval = timer_.start();
-    timed_.push_back(a);
+    const int64_t interval = start_timing(a);
     st.weights.run();
-    timer_.stop(interval);
+    stop_timing(interval);
     unstash(a.chunk);
   }
 
@@ -298,12 +295,24 @@ class StepRun {
     }
   }
 
+  // A compute action's interval, when the caller asked for timings (-1 when not).
+  int64_t start_timing(const Action& a) {
+    if (!options_.time_compute()) return -1;
+    timed_.push_back(a);
+    return timer_.start();
+  }
+  void stop_timing(int64_t interval) {
+    if (interval >= 0) timer_.stop(interval);
+  }
+
   PipelineStepResult finish() {
     free_sent_outputs(true);
     for (auto& batch : batches_) batch->wait();
-    const auto spans = timer_.finish();
-    for (size_t i = 0; i < timed_.size(); ++i)
-      result_.timeline.push_back({rank_, timed_[i], spans[i].first, spans[i].second});
+    if (options_.time_compute()) {  // reading device events waits for the device
+      const auto spans = timer_.finish();
+      for (size_t i = 0; i < timed_.size(); ++i)
+        result_.timeline.push_back({rank_, timed_[i], spans[i].first, spans[i].second});
+    }
     // Chunks that hand over in place keep their inputs for the other chunk's backward until the end.
     chunks_.clear();
     for (const auto& r : result_.timeline) result_.busy_s += r.end - r.start;

@@ -303,10 +303,14 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
   for (auto* opt : opts) opt->set_lr(s.lr);
   stage_->stage_module().train();
   for (auto* opt : opts) opt->zero_grad();
+  // Timed only where the timeline is drawn: on a GPU timing waits for the device.
+  const bool draw_timeline =
+      !options_.timeline().empty() && iteration_ + 1 == std::min<int64_t>(2, options_.train_iters());
   const auto result = pipeline::run_pipeline_step(
       *stage_, mbs,
       pipeline::ExecutorOptions()
           .schedule(schedule_kind_)
+          .time_compute(draw_timeline)
           .loss_scale(scaler_ ? scaler_->scale() : 1.0)
           .before_backward([opts](bool last) {
             for (auto* opt : opts) opt->set_grad_sync(last);
@@ -327,7 +331,7 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
   s.loss = reduce_loss(result.loss);
   ++iteration_;
   s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!options_.timeline().empty() && iteration_ == std::min<int64_t>(2, options_.train_iters())) {
+  if (draw_timeline) {
     const auto records = pipeline::gather_timeline(result, state_->pp_size() > 1 ? pp_group() : tp_group());
     if (is_logging_rank()) {
       pipeline::TimelineSvgOptions t;
@@ -451,7 +455,7 @@ double TrainingLoop::evaluate(const BatchSource& source, int64_t iters) {
   double total = 0;
   // The training schedule's forwards through the executor's p2p (Megatron's forward_only).
   const auto options =
-      pipeline::ExecutorOptions().schedule(schedule_kind_).forward_only(true);
+      pipeline::ExecutorOptions().schedule(schedule_kind_).forward_only(true).time_compute(false);
   for (int64_t i = 0; i < iters; ++i) {
     const auto mbs = source(i);
     if (mbs.empty()) {

@@ -3,6 +3,7 @@
 // and 2 inside stages, SP, two pipelines side by side) gives
 // the loss and gradients of the single-stage model (1e-5, fp32), and the activations it
 // stashes peak exactly where the schedule's simulation says.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
@@ -199,6 +200,48 @@ TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradi
       CHECK(result.peak_stashed == 0);
       CHECK(result.timeline.size() == static_cast<size_t>(m * v));
     }
+  }
+}
+
+TEST_CASE("an untimed step records no timeline and gives the timed step's loss and gradients bit for bit",
+          "[mp][pipeline]") {
+  const int64_t world = mp::world_size();
+  auto st = mp::state(1, world, "pipe_untimed");
+  Group ppg(*st, GroupKind::kPipeline);
+  const auto config = gpt_test::base_config().num_layers(2 * world).hidden_dropout(0.0).attention_dropout(0.0);
+  for (auto kind : {pipeline::ScheduleKind::kOneFOneB, pipeline::ScheduleKind::kZeroBubbleH1}) {
+    INFO(pipeline::schedule_kind_name(kind));
+    const int64_t m = 2 * world;
+    std::vector<pipeline::MicroBatch> mbs;
+    for (int64_t i = 0; i < m; ++i) {
+      const auto d = gpt_test::batch_ids(2, config.seq_length(), config.vocab_size(), 500 + i);
+      mbs.push_back({d.narrow(1, 0, config.seq_length()), d.narrow(1, 1, config.seq_length())});
+    }
+    pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config).pp_group(ppg.name()));
+    std::vector<pipeline::PipelineStepResult> results;
+    std::vector<std::vector<at::Tensor>> grads;
+    for (bool timed : {true, false}) {
+      for (auto& p : stage->parameters()) p.mutable_grad() = at::Tensor();
+      results.push_back(
+          pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind).time_compute(timed)));
+      grads.emplace_back();
+      for (const auto& p : stage->parameters()) grads.back().push_back(p.grad().clone());
+    }
+    const auto& timed = results[0];
+    const auto& untimed = results[1];
+    const auto actions = pipeline::build_schedule(kind, world, m, 1, ppg.rank());
+    const auto computes =
+        std::count_if(actions.begin(), actions.end(), [](const pipeline::Action& a) { return pipeline::is_compute(a.kind); });
+    CHECK(static_cast<int64_t>(timed.timeline.size()) == computes);
+    CHECK(timed.busy_s > 0);
+    CHECK(untimed.timeline.empty());
+    CHECK(untimed.busy_s == 0);
+    CHECK(untimed.makespan_s == 0);
+    CHECK(untimed.peak_stashed == timed.peak_stashed);
+    CHECK(timed.loss.defined() == untimed.loss.defined());
+    if (timed.loss.defined()) CHECK(torch::equal(untimed.loss, timed.loss));
+    REQUIRE(grads[0].size() == grads[1].size());
+    for (size_t i = 0; i < grads[0].size(); ++i) CHECK(torch::equal(grads[1][i], grads[0][i]));
   }
 }
 

@@ -49,6 +49,11 @@ struct ExecutorOptions {
   // under no_grad, for the loss; no backward, no gradients, nothing stashed, outputs
   // dropped once sent. loss_scale and before_backward are unused.
   TORCH_ARG(bool, forward_only) = false;
+  // Time each compute action (timeline, busy_s, makespan_s). On a GPU the marks are device
+  // events and reading them waits for the device once at the end of the step, so a training
+  // loop asks for timings only on the steps it reports them (TrainingLoop: the one whose
+  // timeline it draws); untimed steps leave timeline empty and busy_s, makespan_s zero.
+  TORCH_ARG(bool, time_compute) = true;
 };
 
 // One training step's forward and backward over all micro-batches (no optimizer step),
