@@ -136,16 +136,22 @@ Work Group::all_gather_async(const at::Tensor& input, int64_t dim) {
   dim = normalize_dim(dim, input, "all_gather");
   if (size_ == 1) return Work(input.clone());
   auto info = begin(CommOp::kAllGather, input.nbytes(), backend_for(input));
-  at::Tensor in = input.contiguous();
-  std::vector<at::Tensor> outs;
-  outs.reserve(size_);
-  for (int64_t r = 0; r < size_; ++r) outs.push_back(at::empty_like(in));
-  std::vector<std::vector<at::Tensor>> outputs{outs};
-  std::vector<at::Tensor> inputs{in};
+  // Detached: the backend copies into views of the output on its own thread, where an
+  // input that requires grad would make autograd track (and refuse) those copies.
+  at::Tensor in = input.detach().contiguous();
+  // Into one preallocated buffer, the inputs concatenated along dim 0 in rank order: that
+  // is the result along dim 0; along another dim, moving the rank index next to it is the
+  // one copy.
+  std::vector<int64_t> concatenated = in.sizes().vec();
+  concatenated[0] *= size_;
+  at::Tensor flat = at::empty(concatenated, in.options());
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
-  auto work = pg_->allgather(outputs, inputs, opts);
-  return Work(work, info, [outs, dim]() { return at::cat(outs, dim); });
+  auto work = pg_->_allgather_base(flat, in, opts);
+  const int64_t size = size_;
+  return Work(work, info, [flat, dim, size]() {
+    return dim == 0 ? flat : flat.unflatten(0, {size, -1}).movedim(0, dim).flatten(dim, dim + 1);
+  });
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input, int64_t dim) { return all_gather_async(input, dim).wait(); }
@@ -165,12 +171,11 @@ Work Group::reduce_scatter_async(const at::Tensor& input, int64_t dim, ReduceOp 
   if (backend != "gloo") {
     rs_opts.reduceOp = to_c10d(op);
     at::Tensor out = at::empty_like(input.narrow(dim, 0, chunk), at::MemoryFormat::Contiguous);
-    std::vector<at::Tensor> chunks;
-    for (const auto& c : input.chunk(size_, dim)) chunks.push_back(c.contiguous());
-    std::vector<at::Tensor> outs{out};
-    std::vector<std::vector<at::Tensor>> ins{chunks};
-    auto work = pg_->reduce_scatter(outs, ins, rs_opts);
-    return Work(work, info, [out]() { return out; });
+    // One flat input, chunk j at j: along dim 0 the input itself (when contiguous); along
+    // another dim one copy that moves the chunk index to the front.
+    at::Tensor flat = input.unflatten(dim, {size_, chunk}).movedim(dim, 0).contiguous();
+    auto work = pg_->_reduce_scatter_base(out, flat, rs_opts);
+    return Work(work, info, [out, flat]() { return out; });
   }
   // Gloo has no reduce-scatter: all-reduce the whole input, keep this rank's chunk. The
   // counters record the logical reduce-scatter (its input bytes), not the emulation.

@@ -65,6 +65,25 @@ class MappingFunction : public torch::autograd::Function<MappingFunction> {
   }
 };
 
+// g in place: the all-reduce on the input's own memory, marked dirty so autograd rebases
+// its history onto this node (whose backward, the identity, is g's).
+class ReduceInPlaceFunction : public torch::autograd::Function<ReduceInPlaceFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor partial, const std::string& group) {
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      Group(group).all_reduce(partial);
+    }
+    ctx->mark_dirty({partial});
+    return partial;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
 bool splits_or_gathers(Mapping m) { return m != Mapping::kCopyToTP && m != Mapping::kReduceFromTP; }
 
 // Whether autograd would record a node: if not (inference, or a backward without
@@ -166,6 +185,21 @@ at::Tensor apply_mapping(Mapping m, const at::Tensor& input, const std::string& 
     return mapping_op(m).call(input, group);
   }
   return MappingFunction::apply(input, static_cast<int64_t>(m), group, /*alias_identity=*/true);
+}
+
+at::Tensor reduce_from_tp_region_(at::Tensor& partial, const std::string& group) {
+  MEGATORCH_CHECK(!(partial.is_leaf() && partial.requires_grad()), "reduce_from_tp_region_: expected a tensor "
+                  "computed from others (a row-parallel GEMM's partial output), got a leaf that requires grad, which "
+                  "autograd cannot modify in place; call reduce_from_tp_region (out of place) on it");
+  Group g(group);
+  if (g.size() == 1) return partial;
+  // Collectives need one dense buffer: anything else goes out of place (one copy, as before).
+  if (!partial.is_contiguous()) return apply_mapping(Mapping::kReduceFromTP, partial, group);
+  if (!records_gradient(partial)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return g.all_reduce(partial);
+  }
+  return ReduceInPlaceFunction::apply(partial, group);
 }
 
 namespace detail {

@@ -151,10 +151,10 @@ void ParamAndGradBuffer::zero_grad() {
   drain_in_flight();
   const bool keep_full = options_.zero_stage() < 2;
   for (auto& bs : buckets_) {
-    bs.grad_shard.zero_();
     if (keep_full) {
-      bs.grad_full.zero_();
+      bs.grad_full.zero_();  // the shard is a part of it: one pass
     } else {
+      bs.grad_shard.zero_();
       bs.grad_full = at::Tensor();
     }
   }

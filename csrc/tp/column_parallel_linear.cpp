@@ -1,7 +1,6 @@
 #include "megatorch/tp/column_parallel_linear.h"
 
 #include <ATen/ATen.h>
-#include <ATen/TensorSubclassLikeUtils.h>
 
 #include "megatorch/check.h"
 #include "megatorch/tp/init.h"
@@ -20,10 +19,8 @@ at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& wei
   // group directly, so fake, functional and meta tensors and dispatch modes (torch.compile,
   // opcheck, shape-only passes) take the composition of the gather operator and at::linear,
   // which every tracer follows and which computes the same.
-  const bool traced = at::areAnyTensorSubclassLike({input, weight}) ||
-                      (bias.has_value() && bias->defined() && at::isTensorSubclassLike(*bias));
   at::Tensor y;
-  if (sequence_parallel && !group.empty() && !traced) {
+  if (sequence_parallel && !group.empty() && !is_traced(input, weight, bias)) {
     y = sequence_parallel_column_linear(input, weight, bias, group);
   } else {
     const at::Tensor x = map_region(sequence_parallel ? Mapping::kGatherFromSP : Mapping::kCopyToTP, input, group);

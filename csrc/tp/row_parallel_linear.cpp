@@ -18,7 +18,12 @@ at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight
   MEGATORCH_CHECK(x.size(-1) == weight.size(1), "row_parallel_linear: expected input features ", weight.size(1),
                   " per rank (weight shard [out, in/tp] = ", weight.sizes(), "), got input ", x.sizes());
   at::Tensor y = at::linear(x, weight);
-  y = map_region(sequence_parallel ? Mapping::kReduceScatterToSP : Mapping::kReduceFromTP, y, group);
+  // The GEMM's output is read by nothing else: g sums it in place, without a copy.
+  if (sequence_parallel) {
+    y = map_region(Mapping::kReduceScatterToSP, y, group);
+  } else if (!group.empty()) {
+    y = is_traced(x, weight, bias) ? map_region(Mapping::kReduceFromTP, y, group) : comm::reduce_from_tp_region_(y, group);
+  }
   return bias.has_value() && bias->defined() ? y + *bias : y;
 }
 

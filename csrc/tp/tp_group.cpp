@@ -1,5 +1,8 @@
 #include "megatorch/tp/tp_group.h"
 
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorSubclassLikeUtils.h>
+
 #include "megatorch/comm/group.h"
 
 namespace megatorch::tp {
@@ -12,6 +15,11 @@ TPInfo tp_info(const std::string& group) {
 
 at::Tensor map_region(comm::Mapping m, const at::Tensor& x, const std::string& group) {
   return group.empty() ? x : comm::apply_mapping(m, x, group);
+}
+
+bool is_traced(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return at::areAnyTensorSubclassLike({input, weight}) ||
+         (bias.has_value() && bias->defined() && at::isTensorSubclassLike(*bias));
 }
 
 }  // namespace megatorch::tp

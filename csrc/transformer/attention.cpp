@@ -82,15 +82,16 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
   return out.permute({2, 0, 1, 3}).reshape({s, b, local_heads * c.head_dim()});
 }
 
+std::array<at::Tensor, 3> ParallelAttentionImpl::split_qkv(const at::Tensor& mixed) const {
+  const int64_t d = options.config().head_dim(), per_group = local_heads / local_groups;
+  const int64_t s = mixed.size(0), b = mixed.size(1);
+  const auto parts = mixed.view({s, b, local_groups, per_group + 2, d}).split_with_sizes({per_group, 1, 1}, 3);
+  return {parts[0].reshape({s, b, local_heads, d}), parts[1].squeeze(3), parts[2].squeeze(3)};
+}
+
 at::Tensor ParallelAttentionImpl::context(const at::Tensor& x, const at::Tensor& rope_freqs) {
   const auto& c = options.config();
-  const int64_t d = c.head_dim(), per_group = local_heads / local_groups;
-  const at::Tensor mixed = qkv->forward(x);  // [s, b, groups*(per_group+2)*d]
-  const int64_t s = mixed.size(0), b = mixed.size(1);
-  const at::Tensor grouped = mixed.view({s, b, local_groups, per_group + 2, d});
-  at::Tensor q = grouped.narrow(3, 0, per_group).reshape({s, b, local_heads, d});
-  at::Tensor k = grouped.select(3, per_group);
-  at::Tensor v = grouped.select(3, per_group + 1);
+  auto [q, k, v] = split_qkv(qkv->forward(x));
   if (rope_freqs.defined()) {
     auto rope = c.fused_kernels() ? kernels::rotary_embedding : apply_rope;
     q = rope(q, rope_freqs);

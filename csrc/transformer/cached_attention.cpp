@@ -23,7 +23,7 @@ at::Tensor ParallelAttentionImpl::forward_cached_without_bias(const at::Tensor& 
   MEGATORCH_CHECK(!c.sequence_parallel(), "ParallelAttention::forward_cached_without_bias: expected a configuration "
                   "without sequence parallelism (each step has too few tokens to split); build the model with "
                   "sequence_parallel(false)");
-  const int64_t d = c.head_dim(), per_group = local_heads / local_groups;
+  const int64_t d = c.head_dim();
   const at::Tensor mixed = qkv->forward(x);  // [s, b, groups*(per_group+2)*d]
   const int64_t s = mixed.size(0), b = mixed.size(1);
   const int64_t start = cache.length, end = start + s;
@@ -32,10 +32,7 @@ at::Tensor ParallelAttentionImpl::forward_cached_without_bias(const at::Tensor& 
                   cache.k.defined() ? cache.k.sizes() : at::IntArrayRef{}, "; make it with inference::make_kv_caches");
   MEGATORCH_CHECK(end <= cache.capacity(), "ParallelAttention: the KV cache holds ", cache.capacity(),
                   " positions, ", start, " used, and ", s, " more were given; make it for the longest sequence");
-  const at::Tensor grouped = mixed.view({s, b, local_groups, per_group + 2, d});
-  at::Tensor q = grouped.narrow(3, 0, per_group).reshape({s, b, local_heads, d});
-  at::Tensor k = grouped.select(3, per_group);
-  const at::Tensor v = grouped.select(3, per_group + 1);
+  auto [q, k, v] = split_qkv(mixed);
   if (rope_freqs.defined()) {
     auto rope = c.fused_kernels() ? kernels::rotary_embedding : apply_rope;
     q = rope(q, rope_freqs);

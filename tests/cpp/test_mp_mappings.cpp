@@ -51,6 +51,36 @@ TEST_CASE("f and g: copy_to_tp_region and reduce_from_tp_region", "[mp]") {
   }
 }
 
+TEST_CASE("reduce_from_tp_region_: g in place on a partial result, with g's backward", "[mp]") {
+  for (int64_t tp : tp_sizes()) {
+    auto st = mp::state(tp, 1, "map_g_inplace_" + std::to_string(tp));
+    Group g(*st, GroupKind::kTensor);
+    const int64_t r = g.rank(), n = g.size();
+    auto x = torch::full({S, B, H}, static_cast<double>(r), torch::dtype(torch::kDouble).requires_grad(true));
+    g.reset_stats();
+    auto partial = x * 2.0;  // a computed (non-leaf) tensor, as a row-parallel GEMM's output
+    const void* memory = partial.data_ptr();
+    auto z = comm::reduce_from_tp_region_(partial, g.name());
+    CHECK(z.data_ptr() == memory);  // summed where it was: no copy
+    CHECK(torch::equal(z, torch::full({S, B, H}, n * (n - 1.0))));
+    CHECK(g.stats()[CommOp::kAllReduce].calls == (n > 1 ? 1 : 0));
+    CHECK(g.stats()[CommOp::kAllReduce].bytes == (n > 1 ? S * B * H * 8 : 0));
+    (z * static_cast<double>(r + 1)).sum().backward();
+    CHECK(torch::equal(x.grad(), torch::full({S, B, H}, 2.0 * (r + 1))));  // identity backward, then x*2's
+    // The same without autograd (inference) and on a leaf that needs no gradient.
+    auto plain = torch::full({S, B, H}, static_cast<double>(r), torch::kDouble);
+    CHECK(torch::equal(comm::reduce_from_tp_region_(plain, g.name()), torch::full({S, B, H}, n * (n - 1) / 2.0)));
+    CHECK(torch::equal(plain, torch::full({S, B, H}, n * (n - 1) / 2.0)));
+    // A leaf that requires grad cannot be modified in place: refused, before any collective.
+    CHECK_THROWS_WITH(comm::reduce_from_tp_region_(x, g.name()), Catch::Contains("leaf that requires grad"));
+    // A saved output modified in place is autograd's own error at backward, not a wrong gradient.
+    auto y = torch::full({S, B, H}, 1.0 + r, torch::dtype(torch::kDouble).requires_grad(true));
+    auto e = y.exp();  // exp saves its output for backward
+    comm::reduce_from_tp_region_(e, g.name());
+    if (n > 1) CHECK_THROWS_WITH(e.sum().backward(), Catch::Contains("modified by an inplace operation"));
+  }
+}
+
 TEST_CASE("scatter_to_tp_region and gather_from_tp_region along the last dim", "[mp]") {
   for (int64_t tp : tp_sizes()) {
     auto st = mp::state(tp, 1, "map_tp_" + std::to_string(tp));

@@ -54,6 +54,14 @@ std::vector<c10::SymInt> mapping_output_shape(Mapping m, c10::SymIntArrayRef inp
 // `input`'s memory: modify neither in place while the other is still needed.
 at::Tensor apply_mapping(Mapping m, const at::Tensor& input, const std::string& group);
 
+// reduce_from_tp_region (g) in place: sums `partial` over the group in its own memory and
+// returns it, with g's backward (the identity) recorded as an in-place op's. For a partial
+// result nothing else reads, as a row-parallel GEMM's output is: the out-of-place mapping
+// must copy it first (it cannot know that), and at b*s*h per layer and direction that copy
+// is as large as the all-reduce's own traffic. A leaf that requires grad is refused, as
+// for any in-place op.
+at::Tensor reduce_from_tp_region_(at::Tensor& partial, const std::string& group);
+
 namespace detail {
 // The operators' autograd kernel: apply_mapping whose result never aliases `input`, as
 // the operator schemas (no alias annotation) promise TorchScript and torch.compile.

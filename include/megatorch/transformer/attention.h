@@ -8,6 +8,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <array>
 #include <memory>
 
 #include "megatorch/inference/kv_cache.h"
@@ -58,6 +59,10 @@ class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl>
 
  private:
   at::Tensor context(const at::Tensor& x, const at::Tensor& rope_freqs);  // the input of proj
+  // The fused QKV output [s, b, groups*(per_group+2)*d] as q [s, b, heads, d] and k, v
+  // [s, b, groups, d]: one split, whose backward is one cat (views taken one by one
+  // would each zero-fill a full-size gradient and add them).
+  std::array<at::Tensor, 3> split_qkv(const at::Tensor& mixed) const;
 };
 TORCH_MODULE(ParallelAttention);
 
