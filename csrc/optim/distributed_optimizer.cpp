@@ -22,7 +22,8 @@ ParamAndGradBufferOptions buffer_options(const DistributedOptimizerOptions& o) {
       .grad_in_fp32(o.grad_in_fp32())
       .overlap_grad_reduce(o.overlap_grad_reduce())
       .broadcast_parameters(o.broadcast_parameters())
-      .grad_average_over(o.grad_average_over());
+      .grad_average_over(o.grad_average_over())
+      .gradient_accumulation_fusion(o.gradient_accumulation_fusion());
 }
 
 const std::string kScalerPrefix = "loss_scaler.";

@@ -28,15 +28,28 @@ class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
 }  // namespace
 
 ParamAndGradBuffer::~ParamAndGradBuffer() {
-  for (const auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+  for (const auto& p : params_) {
+    torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+    if (options_.gradient_accumulation_fusion()) unregister_main_grad(p);
+  }
 }
 
 void ParamAndGradBuffer::register_hooks() {
+  grad_added_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::autograd::impl::set_post_acc_grad_hooks(
         params_[i], std::make_unique<GradReadyHook>([this, i] { on_grad_ready(static_cast<int64_t>(i)); }));
+    if (options_.gradient_accumulation_fusion()) register_main_grad(params_[i], this, static_cast<int64_t>(i));
   }
 }
+
+at::Tensor ParamAndGradBuffer::main_grad(int64_t i) {
+  const auto& pp = layout_.params[i];
+  ensure_grad_staging(pp.bucket);
+  return buckets_[pp.bucket].grad_full.narrow(0, pp.offset, pp.numel).view(params_[i].sizes());
+}
+
+void ParamAndGradBuffer::mark_added(int64_t i) { grad_added_[i] = 1; }
 
 // Stages 2-3: a bucket's full gradients live in a staging buffer from its first
 // gradient of the step until its reduce-scatter has finished.
@@ -56,7 +69,12 @@ void ParamAndGradBuffer::on_grad_ready(int64_t i) {
   // (stages 2-3 after the staging was dropped, or one the user reset) is added in.
   at::Tensor view = bs.grad_full.narrow(0, pp.offset, pp.numel).view(p.sizes());
   const at::Tensor g = p.grad();
-  if (g.defined() && g.data_ptr() != view.data_ptr()) {
+  if (grad_added_[i]) {
+    // The weight-gradient GEMM added into the buffer already (gradient-accumulation
+    // fusion); what autograd stored is its placeholder.
+    grad_added_[i] = 0;
+    p.mutable_grad() = view;
+  } else if (g.defined() && g.data_ptr() != view.data_ptr()) {
     view.add_(g);
     p.mutable_grad() = view;
   }

@@ -149,6 +149,7 @@ void ParamAndGradBuffer::for_each_owned_slice(int64_t b, const OwnedSliceFn& fn)
 
 void ParamAndGradBuffer::zero_grad() {
   drain_in_flight();
+  std::fill(grad_added_.begin(), grad_added_.end(), 0);
   const bool keep_full = options_.zero_stage() < 2;
   for (auto& bs : buckets_) {
     if (keep_full) {

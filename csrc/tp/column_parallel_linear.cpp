@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "megatorch/check.h"
+#include "megatorch/tp/fused_linear.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/tp/sequence_parallel_linear.h"
 
@@ -24,7 +25,7 @@ at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& wei
     y = sequence_parallel_column_linear(input, weight, bias, group);
   } else {
     const at::Tensor x = map_region(sequence_parallel ? Mapping::kGatherFromSP : Mapping::kCopyToTP, input, group);
-    y = at::linear(x, weight, bias);
+    y = tp::linear(x, weight, bias);
   }
   return gather_output ? map_region(Mapping::kGatherFromTP, y, group) : y;
 }

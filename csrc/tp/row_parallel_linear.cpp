@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "megatorch/check.h"
+#include "megatorch/tp/fused_linear.h"
 #include "megatorch/tp/init.h"
 
 namespace megatorch::tp {
@@ -17,7 +18,7 @@ at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight
   const at::Tensor x = input_is_parallel ? input : map_region(Mapping::kScatterToTP, input, group);
   MEGATORCH_CHECK(x.size(-1) == weight.size(1), "row_parallel_linear: expected input features ", weight.size(1),
                   " per rank (weight shard [out, in/tp] = ", weight.sizes(), "), got input ", x.sizes());
-  at::Tensor y = at::linear(x, weight);
+  at::Tensor y = tp::linear(x, weight, c10::nullopt);
   // The GEMM's output is read by nothing else: g sums it in place, without a copy.
   if (sequence_parallel) {
     y = map_region(Mapping::kReduceScatterToSP, y, group);

@@ -5,6 +5,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/tp/fused_linear.h"
 
 namespace megatorch::tp {
 
@@ -63,10 +64,7 @@ variable_list SequenceParallelColumnLinear::backward(AutogradContext* ctx, varia
   if (need_weight) {
     const at::Tensor x_full = gather.wait();  // waits only if no input gradient came first
     const at::Tensor x2d = x_full.reshape({-1, x_full.size(-1)});
-    // autograd's mm backward for the operand Wᵀ: grad_yᵀ·x when W is row-major (Wᵀ column-
-    // major), else (xᵀ·grad_y)ᵀ; the same choice keeps the result bit for bit.
-    const bool row_major = weight.stride(1) == 1 && weight.stride(0) == weight.size(1);
-    grad_weight = row_major ? grad2d.t().mm(x2d) : x2d.t().mm(grad2d).t();
+    grad_weight = linear_weight_grad(weight, grad2d, x2d);  // autograd's bits, or into the main grad
   }
   if (need_bias) {
     // addmm's bias gradient as the engine reduces it: grad_y summed to the bias's shape.

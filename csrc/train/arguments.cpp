@@ -130,6 +130,9 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--adam-beta2", a.adam_beta2);
   app.add_option("--adam-eps", a.adam_eps);
   app.add_option("--clip-grad", a.clip_grad, "max global gradient L2 norm; 0: off");
+  app.add_flag("--gradient-accumulation-fusion,!--no-gradient-accumulation-fusion", a.gradient_accumulation_fusion,
+               "the tensor-parallel layers' weight-gradient GEMMs accumulate into the gradient buffer (default); "
+               "--no-gradient-accumulation-fusion: each weight gradient added in a pass of its own");
   // Mixed precision
   app.add_flag("--bf16", a.bf16);
   app.add_flag("--fp16", a.fp16);

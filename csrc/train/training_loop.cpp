@@ -239,6 +239,7 @@ optim::DistributedOptimizerOptions TrainingLoop::optimizer_options() const {
       .eps(o.adam_eps())
       .weight_decay(o.weight_decay())
       .clip_grad(o.clip_grad())
+      .gradient_accumulation_fusion(o.gradient_accumulation_fusion())
       .loss_scaler(scaler_);
 }
 

@@ -4,6 +4,7 @@
 // the single-rank one; bad input fails on every rank. (step_together and grad_average_over:
 // test_mp_optim_together.cpp.)
 #include <catch2/catch.hpp>
+#include <torch/csrc/autograd/function.h>
 #include <torch/torch.h>
 
 #include "gpt_test_util.h"
@@ -12,6 +13,8 @@
 #include "mp_util.h"
 #include "optim_test_util.h"
 #include "tolerance.h"
+
+#include <set>
 
 using megatorch::comm::CommOp;
 using megatorch::comm::Group;
@@ -419,4 +422,70 @@ TEST_CASE("An optimizer destroyed before backward is reported, not dereferenced;
   torch::NoGradGuard no_grad;
   CHECK_THROWS_WITH(s.model->forward(data.narrow(1, 0, c.seq_length())),
                     Catch::Contains("after the DistributedOptimizer that shards its parameters was destroyed"));
+}
+
+namespace {
+int64_t index_of(Setup& s, const torch::Tensor& param) {
+  const auto& params = s.opt->buffer().parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return static_cast<int64_t>(i);
+  }
+  FAIL("parameter not in the optimizer's buffer");
+  return -1;
+}
+// Whether the autograd graph behind `out` has a node whose name contains `name`.
+bool graph_has(const torch::Tensor& out, const std::string& name) {
+  std::vector<torch::autograd::Node*> stack{out.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    auto* n = stack.back();
+    stack.pop_back();
+    if (n == nullptr || !seen.insert(n).second) continue;
+    if (n->name().find(name) != std::string::npos) return true;
+    for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
+  }
+  return false;
+}
+}  // namespace
+
+TEST_CASE("Gradient-accumulation fusion: the reduced gradients equal the unfused adds' bit for bit", "[mp][optim]") {
+  const int64_t world = mp::world_size();
+  const int64_t tp = world >= 4 ? 2 : world, micro = 3;
+  for (bool sp : {false, true}) {
+    for (int64_t stage : {0, 2, 3}) {
+      INFO("tp=" << tp << " sequence parallel " << sp << " zero stage " << stage);
+      const auto c = small_config().sequence_parallel(sp);
+      const int64_t b = micro * (world / tp);
+      std::vector<std::vector<torch::Tensor>> shards;
+      for (bool fused : {false, true}) {
+        auto s = make(c, tp, stage, "optim_gafusion_" + std::to_string(sp) + std::to_string(stage) + std::to_string(fused),
+                      DistributedOptimizerOptions().bucket_size(3000).gradient_accumulation_fusion(fused));
+        // The fused run registers main grads, and its TP GEMMs take them.
+        const auto weight = s.model->named_parameters()["layers.0.mlp.fc1.weight"];
+        CHECK(megatorch::optim::find_main_grad(weight).has_value() == fused);
+        const auto batch = global_batch(c, b, 0);
+        const int64_t rows = b / s.st->dp_size();
+        s.opt->zero_grad();
+        for (int64_t k = 0; k < micro; ++k) {
+          const auto data = batch.narrow(0, s.st->dp_rank() * rows + k * (rows / micro), rows / micro);
+          s.opt->set_grad_sync(k == micro - 1);
+          auto loss = s.model->loss(data.narrow(1, 0, c.seq_length()), data.narrow(1, 1, c.seq_length()));
+          CHECK(graph_has(loss, "LinearWithGradAccumulation") == fused);
+          loss.backward();
+          // After each backward the weight's .grad is its slice of the buffer, as without
+          // fusion: never the GEMM's placeholder.
+          if (stage == 0) CHECK(weight.grad().data_ptr() == s.opt->buffer().main_grad(index_of(s, weight)).data_ptr());
+        }
+        s.opt->buffer().finish_grad_sync();
+        std::vector<torch::Tensor> got;
+        for (const auto& bucket : s.opt->buffer().buckets()) got.push_back(bucket.grad_shard.clone());
+        shards.push_back(got);
+      }
+      REQUIRE(shards[0].size() == shards[1].size());
+      for (size_t i = 0; i < shards[0].size(); ++i) {
+        INFO("bucket " << i);
+        CHECK(torch::equal(shards[1][i], shards[0][i]));
+      }
+    }
+  }
 }

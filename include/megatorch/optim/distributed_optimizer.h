@@ -72,6 +72,11 @@ struct DistributedOptimizerOptions {
   // tokens of the same sequences (TP ranks under sequence parallelism), whose
   // contributions must add rather than average.
   TORCH_ARG(int64_t, grad_average_over) = 0;
+  // Megatron's --gradient-accumulation-fusion: the tensor-parallel layers' weight-gradient
+  // GEMMs accumulate into the gradient buffer itself (optim/main_grad.h). The first
+  // micro-batch's gradients are the unfused ones bit for bit; later ones differ only where
+  // the BLAS splits the token dimension into blocks (rounding, ~1e-7 relative).
+  TORCH_ARG(bool, gradient_accumulation_fusion) = false;
 };
 
 // What DistributedOptimizer::prepare_step found in this optimizer's reduced gradients,

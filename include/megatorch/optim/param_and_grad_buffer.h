@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "megatorch/comm/group.h"
+#include "megatorch/optim/main_grad.h"
 #include "megatorch/optim/bucket_layout.h"
 
 namespace megatorch::optim {
@@ -61,9 +62,12 @@ struct ParamAndGradBufferOptions {
   // divisor when the group is not the one to average over (expert parameters: reduced
   // over expert-DP, averaged over DP x CP; see DistributedOptimizerOptions).
   TORCH_ARG(int64_t, grad_average_over) = 0;
+  // Register every parameter's gradient slice as its main grad (optim/main_grad.h): the
+  // tensor-parallel layers' weight-gradient GEMMs then accumulate into the buffer directly.
+  TORCH_ARG(bool, gradient_accumulation_fusion) = false;
 };
 
-class ParamAndGradBuffer {
+class ParamAndGradBuffer : public MainGradSink {
  public:
   // One bucket's tensors: views into the flat buffers, or the bucket's own storage.
   struct Bucket {
@@ -82,7 +86,7 @@ class ParamAndGradBuffer {
   // Collective over DP: checks that every rank holds the same parameters.
   ParamAndGradBuffer(std::vector<std::vector<at::Tensor>> units, const std::string& dp_group,
                      ParamAndGradBufferOptions options, std::vector<ParamInfo> info = {});
-  ~ParamAndGradBuffer();
+  ~ParamAndGradBuffer() override;
   ParamAndGradBuffer(const ParamAndGradBuffer&) = delete;
   ParamAndGradBuffer& operator=(const ParamAndGradBuffer&) = delete;
 
@@ -99,6 +103,11 @@ class ParamAndGradBuffer {
   // Called after each parameter's gradient is complete for this backward, with its index
   // (ParamSharding frees a ZeRO-3 unit once all of its gradients are in).
   void set_grad_ready_observer(std::function<void(int64_t)> observer) { observer_ = std::move(observer); }
+
+  // MainGradSink (with gradient_accumulation_fusion): parameter i's slice of its bucket's
+  // gradients (stages 2-3: of the staging buffer, made on first use in a step).
+  at::Tensor main_grad(int64_t param) override;
+  void mark_added(int64_t param) override;
 
   // The range [begin, begin + length) of bucket b this rank owns: all of it at stage 0.
   std::pair<int64_t, int64_t> owned_range(int64_t bucket) const;
@@ -150,6 +159,7 @@ class ParamAndGradBuffer {
   std::vector<at::Tensor> param_buffers_, grad_buffers_;  // stages 0-2 / 0-1, one per dtype
   std::vector<PartialSum> partial_sums_;
   std::function<void(int64_t)> observer_;
+  std::vector<char> grad_added_;  // per parameter: its GEMM added this backward's gradient
   bool grad_sync_ = true;
 };
 

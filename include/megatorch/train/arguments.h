@@ -92,6 +92,7 @@ struct TrainArguments {
   double adam_beta2 = 0.999;
   double adam_eps = 1e-8;
   double clip_grad = 1.0;
+  bool gradient_accumulation_fusion = true;  // --no-gradient-accumulation-fusion: off
   // Mixed precision
   bool bf16 = false;
   bool fp16 = false;

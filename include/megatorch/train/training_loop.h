@@ -87,6 +87,9 @@ struct TrainingLoopOptions {
   TORCH_ARG(double, adam_beta2) = 0.999;
   TORCH_ARG(double, adam_eps) = 1e-8;
   TORCH_ARG(double, clip_grad) = 1.0;  // 0: no clipping
+  // The tensor-parallel layers' weight-gradient GEMMs accumulate into the gradient buffer
+  // (Megatron's gradient_accumulation_fusion; DistributedOptimizerOptions).
+  TORCH_ARG(bool, gradient_accumulation_fusion) = true;
   // Mixed precision: the parameters' dtype is the model's; fp16 adds dynamic loss scaling.
   TORCH_ARG(bool, fp16) = false;
   TORCH_ARG(double, initial_loss_scale) = 4294967296.0;
