@@ -102,7 +102,7 @@ void DistributedOptimizer::zero_grad() {
   sharding_->reset_backward();
 }
 
-GradStats DistributedOptimizer::overflow_and_norm() {
+at::Tensor DistributedOptimizer::overflow_and_norm() {
   // Each parameter counted once in the norm: only the owned range of each bucket, only
   // parameters marked counted_in_norm (not a TP-replicated copy on tp rank > 0, not a tied
   // copy). Norms of contiguous fp32 slices (vectorised, no copies), squares summed in
@@ -116,10 +116,12 @@ GradStats DistributedOptimizer::overflow_and_norm() {
     const at::Tensor n = at::linalg_vector_norm(g, 2);
     sum += (n * n).to(at::kDouble);
   };
+  // Only a loss scaler acts on an overflow: without one the pass over the gradients is skipped.
+  const bool check_finite = options_.loss_scaler() != nullptr;
   for (size_t b = 0; b < buckets.size(); ++b) {
     const auto& grad = buckets[b].grad_shard;
     const auto& place = layout.buckets[b];
-    nonfinite += at::logical_not(at::isfinite(grad).all()).to(at::kDouble);
+    if (check_finite) nonfinite += at::logical_not(at::isfinite(grad).all()).to(at::kDouble);
     const auto [begin, len] = buffer_->owned_range(static_cast<int64_t>(b));
     const bool all_counted = std::all_of(place.params.begin(), place.params.end(),
                                          [&info](int64_t i) { return info[i].counted_in_norm; });
@@ -134,24 +136,50 @@ GradStats DistributedOptimizer::overflow_and_norm() {
   }
   // A sum of flags is positive where any rank's is: the overflow flag needs no MAX.
   for (auto& g : reduction_groups_) g.all_reduce(acc);
-  const at::Tensor host = acc.cpu();
-  const double* v = host.data_ptr<double>();
-  return {v[0] > 0, v[1]};
+  return acc;
 }
 
-GradStats DistributedOptimizer::prepare_step() {
+void DistributedOptimizer::finish_backward() {
   sharding_->finish_param_gather();  // a forward that skipped some unit leaves its gather pending
   buffer_->finish_grad_sync();
   // A unit prefetched but never gathered this step would otherwise hold pre-update values.
   sharding_->drop_prefetches();
+}
+
+at::Tensor DistributedOptimizer::prepare_step_on_device() {
+  finish_backward();
   return overflow_and_norm();
 }
 
+GradStats DistributedOptimizer::prepare_step() {
+  const at::Tensor host = prepare_step_on_device().cpu();
+  const double* v = host.data_ptr<double>();
+  return {v[0] > 0, v[1]};
+}
+
+double DistributedOptimizer::grad_norm() const {
+  if (grad_norm_on_device_.defined()) {
+    grad_norm_ = grad_norm_on_device_.item<double>();
+    grad_norm_on_device_ = at::Tensor();
+  }
+  return grad_norm_;
+}
+
 void DistributedOptimizer::apply_step(double grad_scale, double grad_norm) {
-  skipped_ = false;
   grad_norm_ = grad_norm;
+  grad_norm_on_device_ = at::Tensor();
+  take_step(grad_scale, at::Tensor());
+}
+
+void DistributedOptimizer::apply_step(const at::Tensor& grad_scale, const at::Tensor& grad_norm) {
+  grad_norm_on_device_ = grad_norm;
+  take_step(1.0, grad_scale);
+}
+
+void DistributedOptimizer::take_step(const c10::Scalar& grad_scale, const at::Tensor& scale_on_device) {
+  skipped_ = false;
   ++step_;
-  update(grad_scale);
+  update(grad_scale, scale_on_device);
   // Every rank updated its range: the sharding makes the parameters whole again (stages
   // 1-2: all-gathers, now or as the next forward reaches each unit; stage 3: frees the
   // units still gathered, which hold the old values).
@@ -192,6 +220,21 @@ void check_together(const std::vector<DistributedOptimizer*>& optimizers) {
 
 bool step_together(const std::vector<DistributedOptimizer*>& optimizers) {
   check_together(optimizers);
+  const auto& first = optimizers.front()->options();
+  if (!first.loss_scaler()) {
+    // Nothing to decide on the host: the norm and the clip coefficient stay on the device,
+    // computed as finish_step_together computes them (the same bits).
+    at::Tensor sum_of_squares;
+    for (auto* opt : optimizers) {
+      const at::Tensor s = opt->prepare_step_on_device().select(0, 1);
+      sum_of_squares = sum_of_squares.defined() ? sum_of_squares + s : s;
+    }
+    const at::Tensor norm = sum_of_squares.sqrt();
+    at::Tensor scale;
+    if (first.clip_grad() > 0) scale = (first.clip_grad() / (norm + 1e-6)).clamp_max(1.0).to(at::kFloat);
+    for (auto* opt : optimizers) opt->apply_step(scale, norm);
+    return true;
+  }
   GradStats total;
   for (auto* opt : optimizers) {
     const GradStats s = opt->prepare_step();
@@ -225,13 +268,17 @@ bool finish_step_together(const std::vector<DistributedOptimizer*>& optimizers, 
 
 // The optimizer update on this rank's range of every bucket: unscaled, clipped fp32
 // gradients (16-bit ones upcast first), then one multi-tensor call per list.
-void DistributedOptimizer::update(double grad_scale) {
+void DistributedOptimizer::update(const c10::Scalar& grad_scale, const at::Tensor& scale_on_device) {
   at::NoGradGuard no_grad;
   for (size_t b = 0; b < state_.size(); ++b) {
     auto& st = state_[b];
     const auto& grad = buffer_->buckets()[b].grad_shard;
     at::Tensor g = st.grad32.defined() ? st.grad32.copy_(grad) : grad;
-    if (grad_scale != 1.0) g.mul_(grad_scale);
+    if (scale_on_device.defined()) {
+      g.mul_(scale_on_device);
+    } else if (grad_scale.toDouble() != 1.0) {
+      g.mul_(grad_scale);
+    }
   }
   const auto& o = options_;
   for (auto& l : update_lists_) {

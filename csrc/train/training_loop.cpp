@@ -269,14 +269,17 @@ bool TrainingLoop::step_optimizers() {
 // Mean of the last stage's loss over DP, made known on every rank. Under CP each rank's
 // loss is c times its share of the sequence's (Stage::context_parallel_size), so the
 // mean over DP x CP is the DP mean of whole sequences.
-double TrainingLoop::reduce_loss(const at::Tensor& loss) {
+at::Tensor TrainingLoop::reduce_loss_on_device(const at::Tensor& loss) {
   // Only the rank that holds the last virtual stage (the last rank, or rank 0 in a V) has it.
-  at::Tensor l = at::tensor({loss.defined() ? loss.item<double>() : 0.0}, at::kDouble);
+  at::Tensor l = loss.defined() ? loss.detach().to(at::kDouble).reshape({1})
+                                : at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(state_->device()));
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(l);
   comm::Group grads(grad_group());
   grads.all_reduce(l);
-  return l.item<double>() / static_cast<double>(grads.size());
+  return l.div_(static_cast<double>(grads.size()));
 }
+
+double TrainingLoop::reduce_loss(const at::Tensor& loss) { return reduce_loss_on_device(loss).item<double>(); }
 
 std::vector<pipeline::MicroBatch> TrainingLoop::on_device(std::vector<pipeline::MicroBatch> mbs) const {
   const c10::Device device = state_->device();
@@ -290,6 +293,23 @@ std::vector<pipeline::MicroBatch> TrainingLoop::on_device(std::vector<pipeline::
 }
 
 IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>& host_mbs) {
+  return read_stats(run_step(host_mbs));
+}
+
+IterationStats TrainingLoop::read_stats(const PendingStats& pending) {
+  IterationStats s = pending.stats;
+  s.loss = pending.loss.item<double>();
+  // A skipped step computed no norm worth reporting (Megatron logs none).
+  s.grad_norm = s.skipped ? std::nan("") : optimizer_->grad_norm();
+  return s;
+}
+
+bool TrainingLoop::reads_values(int64_t it) const {
+  return it % options_.log_interval() == 0 || it == options_.train_iters() || json_.is_open() || on_iteration ||
+         moe_shape_.first > 0 || scaler_ != nullptr;
+}
+
+TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::MicroBatch>& host_mbs) {
   MEGATORCH_CHECK(stage_ != nullptr, "TrainingLoop: call set_model(stage) before training");
   MEGATORCH_CHECK(static_cast<int64_t>(host_mbs.size()) == options_.num_micro_batches(), "TrainingLoop: expected ",
                   options_.num_micro_batches(), " micro-batches per step and DP rank (num_micro_batches), got ",
@@ -320,8 +340,6 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
   if (!optimizer_sums_ties_) stage_->allreduce_tied_grads();
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   s.skipped = !step_optimizers();
-  // A skipped step computed no norm worth reporting (Megatron logs none).
-  s.grad_norm = s.skipped ? std::nan("") : optimizer_->grad_norm();
   if (!s.skipped) ++lr_step_;
   if (moe_shape_.first > 0) {
     s.moe = moe::reduce_step_stats(stage_->stage_module(), state_->group_name(GroupKind::kWorld), moe_shape_,
@@ -329,7 +347,7 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
     // The biases move with the step's loads, as the weights with its gradients.
     if (!s.skipped) moe::update_expert_biases(stage_->stage_module(), s.moe);
   }
-  s.loss = reduce_loss(result.loss);
+  const at::Tensor loss = reduce_loss_on_device(result.loss);
   ++iteration_;
   s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (draw_timeline) {
@@ -341,7 +359,7 @@ IterationStats TrainingLoop::train_step(const std::vector<pipeline::MicroBatch>&
       pipeline::write_timeline_svg(options_.timeline(), records, t);
     }
   }
-  return s;
+  return {s, loss};
 }
 
 void TrainingLoop::write_log_json(const nlohmann::json& record) {
@@ -405,8 +423,28 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
   MEGATORCH_CHECK(train != nullptr, "TrainingLoop::train: expected a batch source");
   IterationStats last;
   const int64_t first = iteration_, iters = options_.train_iters();
+  // Iterations run since the last one whose values were read, and since when: the mean
+  // step time over them is right on a GPU too, where an unread step only queues work.
+  auto since = Clock::now();
+  int64_t unread = 0;
   while (iteration_ < iters) {
-    last = train_step(train(iteration_));
+    const PendingStats pending = run_step(train(iteration_));
+    ++unread;
+    const bool eval_now = options_.eval_interval() > 0 && iteration_ % options_.eval_interval() == 0;
+    const bool evaluated = valid && (eval_now || iteration_ == iters);
+    const bool save_now = !options_.save().empty() &&
+                          ((options_.save_interval() > 0 && iteration_ % options_.save_interval() == 0) || iteration_ == iters);
+    const bool read = reads_values(iteration_) || evaluated || save_now;
+    last = pending.stats;
+    if (read) {
+      last = read_stats(pending);
+      const auto now = Clock::now();
+      last.seconds = std::chrono::duration<double>(now - since).count() / static_cast<double>(unread);
+      since = now;
+      unread = 0;
+    } else {
+      last.loss = last.grad_norm = std::nan("");  // not read: not known on the host
+    }
     // Megatron's memory report: once, after the run's first iteration, from every rank of
     // the first DP replica (the others hold the same).
     if (iteration_ == first + 1 && state_->dp_rank() == 0) {
@@ -421,10 +459,8 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
                              {GroupKind::kExpertData, "edp"}}) {
       comm_bytes[key] = comm::comm_stats(state_->group_name(kind)).total().bytes;
     }
-    const bool eval_now = options_.eval_interval() > 0 && iteration_ % options_.eval_interval() == 0;
-    const bool evaluated = valid && (eval_now || iteration_ == iters);
     if (evaluated) last_val_loss_ = evaluate(valid, options_.eval_iters());
-    log(last, comm_bytes);
+    if (read) log(last, comm_bytes);
     // A negative loss means nothing was evaluated (eval_iters 0, or a split too small).
     if (evaluated && last_val_loss_ >= 0 && is_logging_rank()) {
       const bool progress_line_open = iteration_ % options_.log_interval() != 0 && iteration_ != iters;
@@ -432,10 +468,8 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
       log_validation();
     }
     if (on_iteration) on_iteration(last);
-    if (!options_.save().empty() &&
-        ((options_.save_interval() > 0 && iteration_ % options_.save_interval() == 0) || iteration_ == iters)) {
-      save_checkpoint();
-    }
+    if (save_now) save_checkpoint();
+    if (evaluated || save_now) since = Clock::now();  // neither counts as step time
     last_val_loss_ = -1;
   }
   return last;

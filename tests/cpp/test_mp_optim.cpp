@@ -489,3 +489,43 @@ TEST_CASE("Gradient-accumulation fusion: the reduced gradients equal the unfused
     }
   }
 }
+
+TEST_CASE("Without a loss scaler the step stays on the device and equals the host path bit for bit", "[mp][optim]") {
+  const auto c = small_config();
+  const int64_t world = mp::world_size();
+  for (int64_t stage : {0, 1, 3}) {
+    // 0: no clipping; 0.05: clipping (this model's norm is ~1); 1e6: a coefficient above 1.
+    for (double clip : {0.0, 0.05, 1e6}) {
+      INFO("zero stage " << stage << " clip " << clip);
+      const std::string name = "optim_device_step_" + std::to_string(stage) + "_" + std::to_string(static_cast<int>(clip * 100));
+      const auto o = DistributedOptimizerOptions().bucket_size(3000).clip_grad(clip);
+      auto device = make(c, 1, stage, name + "_device", o);
+      auto host = make(c, 1, stage, name + "_host", o);
+      for (int step = 0; step < 3; ++step) {
+        const auto batch = global_batch(c, world, step).narrow(0, device.st->dp_rank(), 1);
+        for (Setup* s : {&device, &host}) {
+          s->opt->zero_grad();
+          s->model->loss(batch.narrow(1, 0, c.seq_length()), batch.narrow(1, 1, c.seq_length())).backward();
+        }
+        CHECK(device.opt->step());  // step_together's device path
+        const auto stats = host.opt->prepare_step();  // read to the host, as with a loss scaler
+        CHECK_FALSE(stats.overflow);
+        CHECK(megatorch::optim::finish_step_together({host.opt.get()}, stats));
+        CHECK(device.opt->grad_norm() == host.opt->grad_norm());
+      }
+      for (int64_t u = 0; u < device.opt->num_units(); ++u) {
+        device.opt->gather_unit(u);
+        host.opt->gather_unit(u);
+      }
+      auto want = host.model->named_parameters();
+      for (const auto& p : device.model->named_parameters()) {
+        INFO(p.key());
+        CHECK(torch::equal(p.value(), want[p.key()]));
+      }
+      for (int64_t u = 0; u < device.opt->num_units(); ++u) {
+        device.opt->release_unit(u);
+        host.opt->release_unit(u);
+      }
+    }
+  }
+}

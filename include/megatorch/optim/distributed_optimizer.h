@@ -115,9 +115,15 @@ class DistributedOptimizer {
   // flag and the squared norm, reduced over the model-parallel groups (and DP once
   // gradients are sharded).
   GradStats prepare_step();
+  // prepare_step without reading the result: [non-finite count, squared norm] as a double
+  // tensor on the parameters' device (the count only with a loss scaler; 0 without).
+  at::Tensor prepare_step_on_device();
   // Updates with gradients multiplied by grad_scale (unscaling and clipping in one), and
   // records grad_norm (what grad_norm() reports) and one more step.
   void apply_step(double grad_scale, double grad_norm);
+  // The same with both on the device: grad_scale a 0-dim fp32 tensor (undefined: 1), the
+  // norm a 0-dim tensor read only when grad_norm() is asked for it.
+  void apply_step(const at::Tensor& grad_scale, const at::Tensor& grad_norm);
   // Records a step skipped on overflow: nothing changes but last_step_skipped().
   void skip_step() { skipped_ = true; }
 
@@ -125,8 +131,9 @@ class DistributedOptimizer {
   double lr() const { return options_.lr(); }
   int64_t step_count() const { return step_; }
   void set_step_count(int64_t step) { step_ = step; }  // restoring a checkpoint
-  // Of the last step, before clipping (0 before any step).
-  double grad_norm() const { return grad_norm_; }
+  // Of the last step, before clipping (0 before any step). After a step without a loss
+  // scaler this is the first read of the norm from the device (a synchronisation on a GPU).
+  double grad_norm() const;
   bool last_step_skipped() const { return skipped_; }
 
   // Bytes this rank holds between steps, by kind: param_bytes, grad_bytes,
@@ -189,8 +196,12 @@ class DistributedOptimizer {
 
   void build_state();
   // Non-finite gradients anywhere (any rank) and the global squared norm: one reduction.
-  GradStats overflow_and_norm();
-  void update(double grad_scale);
+  at::Tensor overflow_and_norm();
+  void finish_backward();
+  // One more step: gradients times `scale` (a double, or, when defined, `scale_on_device`,
+  // a 0-dim fp32 tensor), the update, then the sharding's after_update.
+  void take_step(const c10::Scalar& scale, const at::Tensor& scale_on_device);
+  void update(const c10::Scalar& scale, const at::Tensor& scale_on_device);
 
   DistributedOptimizerOptions options_;
   std::shared_ptr<ParamAndGradBuffer> buffer_;
@@ -199,7 +210,8 @@ class DistributedOptimizer {
   std::vector<UpdateLists> update_lists_;
   std::vector<comm::Group> reduction_groups_;  // model parallel, + DP once gradients are sharded
   int64_t step_ = 0;
-  double grad_norm_ = 0.0;
+  mutable double grad_norm_ = 0.0;
+  mutable at::Tensor grad_norm_on_device_;  // read into grad_norm_ on first use
   bool skipped_ = false;
 };
 
@@ -210,7 +222,8 @@ class DistributedOptimizer {
 // groups must cover every rank holding its parameters), one update of the loss scaler
 // they share, one clip coefficient. Every optimizer must have the same loss_scaler
 // pointer (or all none) and the same clip_grad. Returns false when the step was skipped.
-// With one optimizer: exactly step().
+// With one optimizer: exactly step(). Without a loss scaler nothing is read from the device:
+// the norm, the clip coefficient and the update stay there (no synchronisation on a GPU).
 bool step_together(const std::vector<DistributedOptimizer*>& optimizers);
 // The second half of step_together, from their stats already combined by the caller:
 // for stats that need a reduction no optimizer's groups span (expert parameters, whose

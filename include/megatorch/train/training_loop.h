@@ -157,6 +157,10 @@ class TrainingLoop {
 
   // Runs from the current iteration to train_iters, evaluating on `valid` (if given),
   // logging and saving on their intervals. Returns the last iteration's stats.
+  // The loss and the gradient norm are read from the device only for iterations whose
+  // values are used (log_interval, the last, log_json, on_iteration, MoE statistics, a
+  // loss scaler's decision): in between a step has no device-to-host synchronisation, and
+  // IterationStats::seconds is the mean over the iterations since the last one read.
   IterationStats train(const BatchSource& train, const BatchSource& valid = nullptr);
   // One step on these micro-batches (moved to the loop's device when elsewhere).
   IterationStats train_step(const std::vector<pipeline::MicroBatch>& micro_batches);
@@ -191,8 +195,19 @@ class TrainingLoop {
   optim::DistributedOptimizerOptions optimizer_options() const;
   std::vector<ckpt::ShardedEntry> checkpoint_entries();
   std::vector<pipeline::MicroBatch> on_device(std::vector<pipeline::MicroBatch> micro_batches) const;
-  // The last pipeline stage's loss averaged over DP (summed over CP), on every rank.
+  // The last pipeline stage's loss averaged over DP (summed over CP), on every rank: on
+  // the device (a 1-element double tensor), or read.
+  at::Tensor reduce_loss_on_device(const at::Tensor& last_stage_loss);
   double reduce_loss(const at::Tensor& last_stage_loss);
+  // A step whose loss and gradient norm are still on the device.
+  struct PendingStats {
+    IterationStats stats;  // everything but loss and grad_norm
+    at::Tensor loss;       // reduce_loss_on_device's
+  };
+  PendingStats run_step(const std::vector<pipeline::MicroBatch>& micro_batches);
+  IterationStats read_stats(const PendingStats& pending);
+  // Whether iteration `it`'s values are used (train's note above).
+  bool reads_values(int64_t it) const;
   void log(const IterationStats& s, const std::map<std::string, int64_t>& comm_bytes);
   void log_validation();
 
