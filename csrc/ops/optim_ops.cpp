@@ -22,7 +22,8 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
 
   // Options that shape the layout, before the first use: clip_grad, bucket_size,
   // momentum, sgd (1: SGD with momentum instead of AdamW), grad_in_fp32,
-  // overlap_grad_reduce, loss_scale (>0: a dynamic loss scaler starting there).
+  // overlap_grad_reduce, gradient_accumulation_fusion, loss_scale (>0: a dynamic loss
+  // scaler starting there).
   void configure(const std::string& key, double value) {
     MEGATORCH_CHECK(!opt_, "DistributedOptimizer.configure: expected before the first step/zero_grad/gather, got '", key,
                     "' after; configure right after construction");
@@ -38,11 +39,14 @@ class DistributedOptimizerClass : public torch::CustomClassHolder {
       options_.grad_in_fp32(value != 0);
     } else if (key == "overlap_grad_reduce") {
       options_.overlap_grad_reduce(value != 0);
+    } else if (key == "gradient_accumulation_fusion") {
+      options_.gradient_accumulation_fusion(value != 0);
     } else if (key == "loss_scale") {
       options_.loss_scaler(std::make_shared<optim::DynamicLossScaler>(optim::LossScalerOptions().initial_scale(value)));
     } else {
       MEGATORCH_FAIL("DistributedOptimizer.configure: unknown option '", key,
-                     "'; expected clip_grad, bucket_size, momentum, sgd, grad_in_fp32, overlap_grad_reduce or loss_scale");
+                     "'; expected clip_grad, bucket_size, momentum, sgd, grad_in_fp32, overlap_grad_reduce, "
+                     "gradient_accumulation_fusion or loss_scale");
     }
   }
   // ZeRO-3 units: the parameter list split into consecutive runs of these sizes.

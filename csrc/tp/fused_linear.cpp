@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 
 #include "megatorch/optim/main_grad.h"
+#include "megatorch/tp/tp_group.h"
 
 namespace megatorch::tp {
 namespace {
@@ -47,7 +48,9 @@ class LinearWithGradAccumulation : public torch::autograd::Function<LinearWithGr
 }  // namespace
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  if (at::GradMode::is_enabled() && weight.requires_grad() && optim::find_main_grad(weight)) {
+  // Tracers (torch.compile's fake tensors) see at::linear itself.
+  if (at::GradMode::is_enabled() && weight.requires_grad() && !is_traced(input, weight, bias) &&
+      optim::find_main_grad(weight)) {
     return LinearWithGradAccumulation::apply(input, weight, bias);
   }
   return at::linear(input, weight, bias);

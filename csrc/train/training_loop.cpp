@@ -271,7 +271,8 @@ bool TrainingLoop::step_optimizers() {
 // mean over DP x CP is the DP mean of whole sequences.
 at::Tensor TrainingLoop::reduce_loss_on_device(const at::Tensor& loss) {
   // Only the rank that holds the last virtual stage (the last rank, or rank 0 in a V) has it.
-  at::Tensor l = loss.defined() ? loss.detach().to(at::kDouble).reshape({1})
+  // A copy: the all-reduce works in place.
+  at::Tensor l = loss.defined() ? loss.detach().to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).reshape({1})
                                 : at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(state_->device()));
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(l);
   comm::Group grads(grad_group());

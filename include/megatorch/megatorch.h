@@ -11,6 +11,7 @@
 #include "megatorch/parallel/rank_layout.h"
 #include "megatorch/tp/column_parallel_linear.h"
 #include "megatorch/tp/cross_entropy.h"
+#include "megatorch/tp/fused_linear.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/rng_tracker.h"
@@ -50,6 +51,7 @@
 #include "megatorch/optim/bucket_layout.h"
 #include "megatorch/optim/distributed_optimizer.h"
 #include "megatorch/optim/loss_scaler.h"
+#include "megatorch/optim/main_grad.h"
 #include "megatorch/train/model_parameters.h"
 // The names that moved to train:: in 0.3.0, deprecated (code written against optim:: compiles).
 #include "megatorch/optim/model_parameters.h"

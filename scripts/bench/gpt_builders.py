@@ -46,9 +46,10 @@ def build_megatorch(shape: GPTShape, device, dtype, args):
     model = mt.GPTModel(config)
     model.train()
     opt = DistributedOptimizer(model.parameters(), group, zero_stage=0, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                               weight_decay=0.1)
+                               weight_decay=0.1, gradient_accumulation_fusion=True)
     notes = ("megatorch.cpp.GPTModel (fused_kernels=True, at::scaled_dot_product_attention) + "
-             "megatorch.optim.DistributedOptimizer (ZeRO 0, one rank; fp32 grads, master weights and moments)")
+             "megatorch.optim.DistributedOptimizer (ZeRO 0, one rank; fp32 grads, master weights and moments; "
+             "weight gradients accumulated into the fp32 buffer by the GEMM)")
     return model, model.loss, opt, notes
 
 

@@ -490,7 +490,7 @@ TEST_CASE("Gradient-accumulation fusion: the reduced gradients equal the unfused
   }
 }
 
-TEST_CASE("Without a loss scaler the step stays on the device and equals the host path bit for bit", "[mp][optim]") {
+TEST_CASE("Without a loss scaler the step stays on the device and updates as the host path does", "[mp][optim]") {
   const auto c = small_config();
   const int64_t world = mp::world_size();
   for (int64_t stage : {0, 1, 3}) {
@@ -511,16 +511,25 @@ TEST_CASE("Without a loss scaler the step stays on the device and equals the hos
         const auto stats = host.opt->prepare_step();  // read to the host, as with a loss scaler
         CHECK_FALSE(stats.overflow);
         CHECK(megatorch::optim::finish_step_together({host.opt.get()}, stats));
-        CHECK(device.opt->grad_norm() == host.opt->grad_norm());
+        // The same code computes both norms, but on two optimizers' buffers: with MKL held to
+        // AVX2 (tests/second_isa.py) the norm of the same numbers at another address can
+        // differ in its last bit, so the norms agree to rounding and, where clipping makes
+        // the update depend on them, so do the parameters.
+        CHECK_CLOSE(torch::tensor(device.opt->grad_norm()), torch::tensor(host.opt->grad_norm()), 1e-12);
       }
       for (int64_t u = 0; u < device.opt->num_units(); ++u) {
         device.opt->gather_unit(u);
         host.opt->gather_unit(u);
       }
       auto want = host.model->named_parameters();
+      const bool clipped = clip > 0 && clip < 1;  // 1e6 clamps the coefficient to exactly 1
       for (const auto& p : device.model->named_parameters()) {
         INFO(p.key());
-        CHECK(torch::equal(p.value(), want[p.key()]));
+        if (clipped) {
+          CHECK_CLOSE(p.value(), want[p.key()], 1e-6);
+        } else {
+          CHECK(torch::equal(p.value(), want[p.key()]));
+        }
       }
       for (int64_t u = 0; u < device.opt->num_units(); ++u) {
         device.opt->release_unit(u);

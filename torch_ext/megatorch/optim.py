@@ -27,6 +27,7 @@ class DistributedOptimizer:
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
                  clip_grad: float = 0.0, bucket_size: int = 0, sgd: bool = False, momentum: float = 0.9,
                  loss_scale: float = 0.0, overlap_grad_reduce: bool = True, grad_in_fp32: bool = True,
+                 gradient_accumulation_fusion: bool = False,
                  model_parallel_groups: Sequence[GroupLike] = (), counted_in_norm: Optional[Sequence[bool]] = None,
                  decay: Optional[Sequence[bool]] = None):
         given = list(params)
@@ -57,7 +58,8 @@ class DistributedOptimizer:
                                                                  betas[0], betas[1], eps, weight_decay)
         for key, value in (("clip_grad", clip_grad), ("bucket_size", bucket_size), ("sgd", float(sgd)),
                            ("momentum", momentum), ("loss_scale", loss_scale),
-                           ("overlap_grad_reduce", float(overlap_grad_reduce)), ("grad_in_fp32", float(grad_in_fp32))):
+                           ("overlap_grad_reduce", float(overlap_grad_reduce)), ("grad_in_fp32", float(grad_in_fp32)),
+                           ("gradient_accumulation_fusion", float(gradient_accumulation_fusion))):
             if key in ("clip_grad", "bucket_size", "loss_scale") and not value:
                 continue
             self._opt.configure(key, float(value))
