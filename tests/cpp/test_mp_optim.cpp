@@ -511,10 +511,10 @@ TEST_CASE("Without a loss scaler the step stays on the device and updates as the
         const auto stats = host.opt->prepare_step();  // read to the host, as with a loss scaler
         CHECK_FALSE(stats.overflow);
         CHECK(megatorch::optim::finish_step_together({host.opt.get()}, stats));
-        // The same code computes both norms, but on two optimizers' buffers: with MKL held to
-        // AVX2 (tests/second_isa.py) the norm of the same numbers at another address can
-        // differ in its last bit, so the norms agree to rounding and, where clipping makes
-        // the update depend on them, so do the parameters.
+        // The same code computes both norms, on two optimizers' buffers. Under
+        // tests/second_isa.py (ATen and MKL held to AVX2) they were seen to differ in the last
+        // bit while the unclipped runs' parameters stayed equal, so the norms are compared to
+        // rounding and, where clipping makes the update depend on them, so are the parameters.
         CHECK_CLOSE(torch::tensor(device.opt->grad_norm()), torch::tensor(host.opt->grad_norm()), 1e-12);
       }
       for (int64_t u = 0; u < device.opt->num_units(); ++u) {
