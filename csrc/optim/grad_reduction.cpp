@@ -64,10 +64,9 @@ void ParamAndGradBuffer::on_grad_ready(int64_t i) {
   const auto& pp = layout_.params[i];
   auto& bs = buckets_[pp.bucket];
   at::Tensor& p = params_[i];
-  ensure_grad_staging(pp.bucket);
   // Autograd accumulates in place into a .grad that is already our view; a fresh .grad
   // (stages 2-3 after the staging was dropped, or one the user reset) is added in.
-  at::Tensor view = bs.grad_full.narrow(0, pp.offset, pp.numel).view(p.sizes());
+  at::Tensor view = main_grad(i);
   const at::Tensor g = p.grad();
   if (grad_added_[i]) {
     // The weight-gradient GEMM added into the buffer already (gradient-accumulation

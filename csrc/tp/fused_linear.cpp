@@ -59,8 +59,10 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& grad2d, const at::Tensor& x2d) {
   const bool row_major = weight.stride(1) == 1 && weight.stride(0) == weight.size(1);
   // Under create_graph the gradient must stay a differentiable value: no fusion.
-  if (row_major && !at::GradMode::is_enabled() && optim::backward_accumulates_into(weight)) {
-    if (const auto mg = optim::find_main_grad(weight)) {
+  if (row_major && !at::GradMode::is_enabled()) {
+    // The registry first: without fusion it is empty and answers without a lookup.
+    const auto mg = optim::find_main_grad(weight);
+    if (mg && optim::backward_accumulates_into(weight)) {
       at::Tensor buffer = mg->sink->main_grad(mg->index);
       if (buffer.scalar_type() == grad2d.scalar_type()) {
         buffer.addmm_(grad2d.t(), x2d);
