@@ -114,8 +114,9 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_add_forward(const at::Tensor& in
       auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(c10::nullopt,
                                                                        at::cuda::detail::getDefaultCUDAGenerator());
       std::lock_guard<std::mutex> lock(gen->mutex_);
-      // Each thread draws 4 values per Philox call; reserve enough offsets for all of them.
-      const at::PhiloxCudaState st = gen->philox_cuda_state(4 * ((out.numel() + 3) / 4));
+      // Element i takes its draw from Philox subsequence i / 4 at this offset: one 128-bit
+      // block (4 values) per subsequence, whatever the size (cuda/params.h).
+      const at::PhiloxCudaState st = gen->philox_cuda_state(cuda::kBiasDropoutAddPhiloxIncrement);
       MEGATORCH_CHECK(!st.captured_, "bias_dropout_add: CUDA graph capture is not supported by the fused dropout; "
                                      "run it eagerly");
       prm.seed = st.seed_.val;

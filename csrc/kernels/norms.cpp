@@ -113,11 +113,53 @@ void cpu_backward(const T* g, const T* x, const A* mean, const A* rstd, const A*
   });
 }
 
+#ifdef MEGATORCH_WITH_CUDA
+// The CUDA kernels take weight and bias as they come when they are fp32 or of the input's
+// dtype (no conversion per call); any other combination is converted to fp32 once here.
+std::pair<at::Tensor, at::Tensor> cuda_weight_and_bias(const at::Tensor& input, const at::Tensor& weight,
+                                                       const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType wt = weight.scalar_type();
+  const bool as_is = (wt == at::kFloat || wt == input.scalar_type()) && (!bias || bias->scalar_type() == wt);
+  const at::ScalarType t = as_is ? wt : at::kFloat;
+  return {weight.to(t).contiguous(), bias ? bias->to(t).contiguous() : at::Tensor()};
+}
+
+cuda::NormParams cuda_params(const char* op, const at::Tensor& input, const at::Tensor& w, const at::Tensor& b,
+                             bool rms) {
+  cuda::NormParams p{};
+  p.input = input.const_data_ptr();
+  p.weight = w.const_data_ptr();
+  p.bias = b.defined() ? b.const_data_ptr() : nullptr;
+  p.rows = detail::rows_of(input), p.cols = input.size(-1), p.rms = rms;
+  p.dtype = detail::cuda_dtype(input.scalar_type(), op);
+  p.weight_dtype = detail::cuda_dtype(w.scalar_type(), op);
+  return p;
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& input_,
                                                        const at::Tensor& weight,
                                                        const c10::optional<at::Tensor>& bias_, double eps, bool rms) {
   check(op, input_, weight, bias_);
   const at::Tensor input = input_.contiguous();
+  if (input.is_cuda()) {
+    detail::check_cuda_build(op);
+#ifdef MEGATORCH_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(input.device());
+    at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
+    at::Tensor mean = rms ? at::empty({0}, input.options().dtype(at::kFloat)) : empty_stats(input);
+    at::Tensor rstd = empty_stats(input);
+    if (detail::rows_of(input) == 0) return {out, mean, rstd};
+    const auto [w, b] = cuda_weight_and_bias(input, weight, bias_);
+    cuda::NormParams p = cuda_params(op, input, w, b, rms);
+    p.out = out.data_ptr();
+    p.mean = rms ? nullptr : mean.data_ptr<float>();
+    p.rstd = rstd.data_ptr<float>();
+    p.eps = static_cast<float>(eps);
+    cuda::norm_forward(p, detail::stream_of(input));
+    return {out, mean, rstd};
+#endif
+  }
   const at::Tensor w = weight.to(acc_dtype(input)).contiguous();
   const at::Tensor b = bias_ ? bias_->to(acc_dtype(input)).contiguous() : at::Tensor();
   if (!rms && input.is_cpu() && input.scalar_type() != at::kDouble) {
@@ -134,23 +176,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const char* op, const at:
   at::Tensor rstd = empty_stats(input);
   const int64_t rows = detail::rows_of(input), cols = input.size(-1);
   if (rows == 0) return {out, mean, rstd};
-  if (input.is_cuda()) {
-    detail::check_cuda_build(op);
-#ifdef MEGATORCH_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(input.device());
-    cuda::NormParams p{};
-    p.input = input.const_data_ptr();
-    p.weight = w.const_data_ptr<float>();
-    p.bias = b.defined() ? b.const_data_ptr<float>() : nullptr;
-    p.out = out.data_ptr();
-    p.mean = rms ? nullptr : mean.data_ptr<float>();
-    p.rstd = rstd.data_ptr<float>();
-    p.rows = rows, p.cols = cols, p.eps = static_cast<float>(eps), p.rms = rms;
-    p.dtype = detail::cuda_dtype(input.scalar_type(), op);
-    cuda::norm_forward(p, detail::stream_of(input));
-    return {out, mean, rstd};
-#endif
-  }
   MEGATORCH_DISPATCH_FLOATS(input.scalar_type(), "norm", [&] {
     using A = detail::acc_t<scalar_t>;
     cpu_forward<scalar_t>(input.const_data_ptr<scalar_t>(), w.const_data_ptr<A>(),
@@ -167,7 +192,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const char* op, const at
   MEGATORCH_CHECK(grad_.sizes() == input_.sizes(), op, " backward: expected grad of shape ", input_.sizes(), ", got ",
                   grad_.sizes());
   const at::Tensor input = input_.contiguous(), grad = grad_.to(input.scalar_type()).contiguous();
-  const at::Tensor w = weight.to(acc_dtype(input)).contiguous();
   const at::Tensor m = rms ? at::Tensor() : mean.contiguous(), rs = rstd.contiguous();
   const int64_t rows = detail::rows_of(input), cols = input.size(-1);
   at::Tensor dx = at::empty_like(input, at::MemoryFormat::Contiguous);
@@ -176,24 +200,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const char* op, const at
     detail::check_cuda_build(op);
 #ifdef MEGATORCH_WITH_CUDA
     const c10::cuda::CUDAGuard guard(input.device());
-    const int64_t blocks = std::min<int64_t>(rows, 512);
-    at::Tensor dw_part = at::empty({blocks, cols}, input.options().dtype(at::kFloat));
-    at::Tensor db_part = at::empty({blocks, cols}, input.options().dtype(at::kFloat));
-    cuda::NormParams p{};
-    p.input = input.const_data_ptr();
-    p.weight = w.const_data_ptr<float>();
+    MEGATORCH_CHECK((rms || m.scalar_type() == at::kFloat) && rs.scalar_type() == at::kFloat, op,
+                    " backward: expected fp32 statistics on CUDA, got ", rs.scalar_type());
+    const at::Tensor w = cuda_weight_and_bias(input, weight, c10::nullopt).first;
+    cuda::NormParams p = cuda_params(op, input, w, at::Tensor(), rms);
     p.grad = grad.const_data_ptr();
     p.out = dx.data_ptr();
     p.mean = rms ? nullptr : const_cast<float*>(m.const_data_ptr<float>());
     p.rstd = const_cast<float*>(rs.const_data_ptr<float>());
-    p.grad_weight_partial = dw_part.data_ptr<float>();
-    p.grad_bias_partial = db_part.data_ptr<float>();
-    p.rows = rows, p.cols = cols, p.partial_blocks = blocks, p.rms = rms;
-    p.dtype = detail::cuda_dtype(input.scalar_type(), op);
+    // The kernel's per-block partial sums (fp32, [partial_rows, cols] for the weight and,
+    // LayerNorm, the bias), reduced by its second kernel straight into dw and db.
+    p.partial_rows = cuda::norm_backward_partial_rows(p);
+    at::Tensor partial = at::empty({rms ? 1 : 2, p.partial_rows, cols}, input.options().dtype(at::kFloat));
+    at::Tensor dw = at::empty({cols}, w.options()), db = rms ? at::Tensor() : at::empty({cols}, w.options());
+    p.grad_weight_partial = partial[0].data_ptr<float>();
+    p.grad_bias_partial = rms ? nullptr : partial[1].data_ptr<float>();
+    p.grad_weight = dw.data_ptr();
+    p.grad_bias = rms ? nullptr : db.data_ptr();
     cuda::norm_backward(p, detail::stream_of(input));
-    return {dx, dw_part.sum(0).to(weight.scalar_type()), db_part.sum(0).to(weight.scalar_type())};
+    return {dx, dw.to(weight.scalar_type()), rms ? db : db.to(weight.scalar_type())};
 #endif
   }
+  const at::Tensor w = weight.to(acc_dtype(input)).contiguous();
   const int64_t chunks = std::min<int64_t>(rows, 32);
   at::Tensor dw_part = at::empty({chunks, cols}, w.options()), db_part = at::empty({chunks, cols}, w.options());
   MEGATORCH_DISPATCH_FLOATS(input.scalar_type(), "norm", [&] {

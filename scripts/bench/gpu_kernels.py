@@ -14,6 +14,19 @@ larger than the L2 cache. GB/s counts the bytes the fused kernel must move at le
 Without a GPU it says so, writes {"gpu": false, ...} and exits 0 (scripts/gpu_check.sh
 runs it either way). `--device cpu --small` runs the same harness on the CPU at toy sizes
 to check the script itself (those numbers mean nothing).
+
+Norms and bias-dropout-add against the alternatives (JSON "norms", the second table):
+megatorch's LayerNorm / RMSNorm forward and backward next to torch's own
+(F.layer_norm / F.rms_norm) and, when importable, Apex's FusedLayerNorm / FusedRMSNorm and
+Liger's LigerLayerNorm / LigerRMSNorm, at GPT-1.3B (LayerNorm) and Llama-1B (RMSNorm)
+shapes in bf16 and fp32 (--norm-dtypes; --norm-sweep adds hidden 1024..8192 and 65536
+rows), and bias-dropout-add next to its eager chain. Each row gives, per implementation,
+the time, the fraction of the bandwidth of a plain device copy of the same number of bytes
+(timed in the same run) and the ratio to torch, plus the largest difference of megatorch's
+outputs (and gradients) from torch's. These are timed with the calls queued behind a
+sleep kernel (torch.cuda._sleep), so that host overhead (dispatcher, autograd) stays off
+the clock: GPU time per call. Backward = torch.autograd.grad of the forward's output,
+every implementation alike.
 """
 import argparse
 import json
@@ -26,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_cases import make_cases, max_abs_diff  # noqa: E402
+from kernel_cases import _describe, make_cases, make_norm_cases, max_abs_diff  # noqa: E402
 
 
 def timer(device):
@@ -54,6 +67,53 @@ def timer(device):
     return run
 
 
+def queued_timer(device):
+    """Median milliseconds per call of fn on the GPU, `reps` calls at a time queued behind a
+    sleep kernel long enough to cover their host time: the host work of the calls
+    (dispatcher, autograd, allocator) overlaps the sleep, and the events time the GPU's
+    work alone, including the gaps between kernels. On the CPU: wall time per call."""
+    if device != "cuda" or not hasattr(torch.cuda, "_sleep"):
+        return timer(device), False
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 1_000_000 / max(start.elapsed_time(end), 1e-3)
+
+    def run(fn, iters, warmup=3, reps=10):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host_ms = (time.perf_counter() - t0) * 1e3  # host time of `reps` calls (upper bound)
+        torch.cuda.synchronize()
+        sleep = int(min(2.0 * host_ms + 0.5, 200.0) * cycles_per_ms)
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(sleep)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / reps)
+        return statistics.median(times)
+    return run, True
+
+
+def copy_same_bytes(device, nbytes, bench, iters):
+    """A plain device copy moving `nbytes` in all (nbytes / 2 read, nbytes / 2 written)."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), iters)
+    return ms, nbytes / ms / 1e6
+
+
 def copy_bandwidth(device, nbytes, bench, iters):
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
@@ -70,6 +130,11 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--budget-s", type=float, default=200, help="skip torch.compile once this much time has passed")
     ap.add_argument("--only", nargs="*", help="case names")
+    ap.add_argument("--no-norms", action="store_true", help="skip the norms / bias-dropout-add comparison")
+    ap.add_argument("--norm-dtypes", default="bfloat16,float32",
+                    help="comma-separated dtypes of the norms comparison (bfloat16, float16, float32)")
+    ap.add_argument("--norm-sweep", action="store_true",
+                    help="norms comparison also at hidden 1024, 4096, 5120, 8192 and at 65536 rows (bf16)")
     args = ap.parse_args()
     out = Path(args.out)
     if out.suffix != ".json":
@@ -133,11 +198,65 @@ def main():
         if device == "cuda":
             torch.cuda.empty_cache()
 
+    if not args.no_norms:
+        info["norms"] = measure_norms(args, device, started)
     info.update(kernels=rows, seconds=round(time.time() - started, 1))
     out.write_text(json.dumps(info, indent=2) + "\n")
     print(markdown(info))
     print(f"[gpu_kernels] wrote {out}")
     return 0
+
+
+IMPLS = ("megatorch", "torch", "apex", "liger")
+
+
+def measure_norms(args, device, started):
+    """The norms / bias-dropout-add comparison (module docstring): one row per case, with
+    each implementation's time, % of a same-bytes copy and ratio to torch."""
+    bench, queued = queued_timer(device)
+    dtypes = [getattr(torch, d.strip()) for d in args.norm_dtypes.split(",") if d.strip()]
+    out = []
+    for case in make_norm_cases(device, dtypes, small=args.small, sweep=args.norm_sweep, only=args.only):
+        if case.optional and time.time() - started > args.budget_s:
+            out.append({"name": case.name, "shape": case.shape, "skipped": f"time budget {args.budget_s} s passed"})
+            continue
+        row = {"name": case.name, "model": case.model, "shape": case.shape,
+               "dtype": str(case.dtype).replace("torch.", ""), "bytes": case.bytes, "queued_timing": queued}
+        copy_ms, copy_gbps = copy_same_bytes(device, case.bytes, bench, args.iters)
+        row["copy_ms"], row["copy_GBps"] = copy_ms, copy_gbps
+        try:
+            row["max_rel_diff_vs_torch"] = case.check()
+        except Exception as e:  # noqa: BLE001 - reported, the timings still stand
+            row["check_error"] = _describe(e)
+        impls = {}
+        for name in IMPLS:
+            fn = case.impls.get(name)
+            if fn is None:
+                impls[name] = {"error": case.missing.get(name, "not applicable")}
+                continue
+            try:
+                ms = bench(fn, args.iters)
+            except Exception as e:  # noqa: BLE001
+                impls[name] = {"error": _describe(e)}
+                continue
+            gbps = case.bytes / ms / 1e6
+            impls[name] = {"ms": ms, "GBps": gbps, "pct_of_copy": 100 * gbps / copy_gbps}
+        torch_ms = impls.get("torch", {}).get("ms")
+        for v in impls.values():
+            if "ms" in v and torch_ms:
+                v["x_torch"] = torch_ms / v["ms"]  # > 1: faster than torch
+        row["impls"] = impls
+        out.append(row)
+        mt = impls["megatorch"]
+        print(f"[gpu_kernels] {case.name:24s} {case.model:9s} {case.shape:16s} {row['dtype']:8s} "
+              + (f"megatorch {mt['ms']:.4f} ms {mt['pct_of_copy']:4.0f}% of copy x{mt.get('x_torch', 0):.2f} torch"
+                 if "ms" in mt else f"megatorch: {mt['error']}")
+              + "".join(f"  {n} {impls[n]['pct_of_copy']:.0f}%" for n in ("torch", "apex", "liger")
+                        if "ms" in impls[n]), flush=True)
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def markdown(info) -> str:
@@ -149,6 +268,24 @@ def markdown(info) -> str:
         comp = f"{r['speedup_vs_compile']:.2f}" if "speedup_vs_compile" in r else "–"
         lines.append(f"| {r['name']} | {r['shape']} | {r['fused_ms']:.3f} | {r['fused_GBps']:.0f} | "
                      f"{r['pct_of_copy']:.0f}% | {r['speedup_vs_eager']:.2f} | {comp} | {r['goal']} |")
+    if info.get("norms"):
+        lines += ["", "Norms and bias-dropout-add: % of a device copy of the same bytes (× torch); "
+                  "GPU time per call, calls queued", "",
+                  "| kernel | model | shape | dtype | copy GB/s | megatorch | torch | apex | liger | max rel. diff vs torch |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in info["norms"]:
+            if "impls" not in r:
+                lines.append(f"| {r['name']} | | {r['shape']} | | | {r.get('skipped', '')} | | | | |")
+                continue
+            cells = []
+            for n in IMPLS:
+                v = r["impls"][n]
+                cells.append(f"{v['pct_of_copy']:.0f}% (×{v['x_torch']:.2f})" if "x_torch" in v else
+                             f"{v['pct_of_copy']:.0f}%" if "ms" in v else "–")
+            diff = r.get("max_rel_diff_vs_torch", r.get("check_error", ""))
+            diff = f"{diff:.2e}" if isinstance(diff, float) else str(diff)
+            lines.append(f"| {r['name']} | {r['model']} | {r['shape']} | {r['dtype']} | {r['copy_GBps']:.0f} | "
+                         + " | ".join(cells) + f" | {diff} |")
     return "\n".join(lines)
 
 

@@ -1,13 +1,18 @@
 #pragma once
 // Device helpers shared by the kernels: dtype dispatch over the plain DType tag,
-// fp32 conversion of 16-bit values, warp/block reductions, launch-error checks.
+// fp32 conversion of 16-bit values, warp/block reductions, 16-byte vector loads and
+// stores, launch-error checks, the device's SM count.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "params.h"
 
@@ -93,9 +98,104 @@ constexpr int kVec = 16 / sizeof(T);
 
 inline bool aligned16(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
 
+inline bool aligned_to(const void* p, uintptr_t bytes) {
+  return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
+
+// The N values of a pack as fp32. bf16 pairs are unpacked with integer shifts and masks
+// of the 32-bit words (cvt.f32.bf16 wants each value in a 16-bit register of its own,
+// which costs registers in kernels that keep raw packs live).
+template <typename T, int N>
+__device__ __forceinline__ void unpack_float(const Pack<T, N>& p, float (&f)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    uint32_t w[N / 2];
+    memcpy(w, &p, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) f[e] = to_float(p.v[e]);
+  }
+}
+
+// N elements of T at p as fp32, in loads of at most 16 bytes (Pack<T, min(N, 16 / sizeof(T))>):
+// p must be aligned to min(16, N·sizeof(T)) bytes. E.g. 8 fp32 weights of a bf16 pack: two
+// 16-byte loads.
+template <typename T, int N>
+__device__ __forceinline__ void load_float(const T* p, float (&f)[N]) {
+  constexpr int C = N < kVec<T> ? N : kVec<T>;
+  static_assert(N % C == 0, "load_float: N must be a multiple of the chunk");
+#pragma unroll
+  for (int k = 0; k < N; k += C) {
+    float c[C];
+    unpack_float(*reinterpret_cast<const Pack<T, C>*>(p + k), c);
+#pragma unroll
+    for (int e = 0; e < C; ++e) f[k + e] = c[e];
+  }
+}
+
+// Stores N fp32 values as T at p (rounded to nearest even), same chunks and alignment.
+template <typename T, int N>
+__device__ __forceinline__ void store_float(T* p, const float (&f)[N]) {
+  constexpr int C = N < kVec<T> ? N : kVec<T>;
+  static_assert(N % C == 0, "store_float: N must be a multiple of the chunk");
+#pragma unroll
+  for (int k = 0; k < N; k += C) {
+    Pack<T, C> v;
+#pragma unroll
+    for (int e = 0; e < C; ++e) v.v[e] = from_float<T>(f[k + e]);
+    *reinterpret_cast<Pack<T, C>*>(p + k) = v;
+  }
+}
+
+// x rounded to T and back (the rounding of an intermediate the unfused chain keeps in T).
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// Number of SMs of the current device, looked up once per device.
+inline int device_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // static storage: zero-initialised
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int cached = cache[dev].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 1;
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// Resident blocks per SM of `kernel` at this block size and dynamic shared memory (at least 1).
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads, size_t smem) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1) {
+    (void)cudaGetLastError();  // clear a sticky launch-configuration error; 1 is a safe answer
+    n = 1;
+  }
+  return n;
+}
+
+// Grid size for a grid-stride loop over `groups` work groups with at most `max_blocks`
+// blocks: as many blocks as allowed, then evened out so that every block runs the same
+// number of iterations (but the last few).
+inline int64_t balanced_blocks(int64_t groups, int64_t max_blocks) {
+  max_blocks = std::max<int64_t>(1, max_blocks);
+  const int64_t iters = ceil_div(groups, max_blocks);
+  return ceil_div(groups, iters);
+}
 
 }  // namespace megatorch::kernels::cuda

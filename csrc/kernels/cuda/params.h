@@ -23,6 +23,12 @@ void bias_gelu_forward(const BiasGeluParams& p, void* stream);
 void bias_gelu_backward(const BiasGeluParams& p, void* stream);
 
 // ---- bias_dropout_add.cu ----
+// Dropout draws: element i = row·cols + col takes component i % 4 of the Philox4x32-10
+// block (seed, subsequence i / 4, offset), i.e. curand_init(seed, i / 4, offset) then
+// curand_uniform4: one 128-bit block per subsequence, so the caller reserves an offset
+// increment of 4 (kBiasDropoutAddPhiloxIncrement) on the generator per call, whatever
+// the size. The draws do not depend on the launch configuration. kept = u < keep_prob.
+constexpr uint64_t kBiasDropoutAddPhiloxIncrement = 4;
 struct BiasDropoutAddParams {
   const void* input;     // [rows, cols]
   const void* bias;      // [cols] or null
@@ -60,22 +66,33 @@ struct RotaryParams {
 void rotary(const RotaryParams& p, void* stream);
 
 // ---- norms.cu ----
+// LayerNorm (rms = false) and RMSNorm (rms = true) over the last dim, fp32 statistics.
+// Weight and bias have weight_dtype: fp32, or the input's dtype (no conversion per call).
+// Backward: norm_backward_partial_rows(p) (call it with every other field filled in:
+// the pointers' alignment picks the kernel) says how many rows the fp32 workspaces
+// grad_weight_partial / grad_bias_partial ([partial_rows, cols] each) must have; the
+// launcher writes per-block partial sums there and reduces them, in a fixed order, into
+// grad_weight / grad_bias ([cols], weight_dtype) with a second kernel.
 struct NormParams {
   const void* input;   // [rows, cols]
-  const float* weight;  // [cols], fp32 whatever the input dtype
-  const float* bias;    // [cols] or null (LayerNorm only)
+  const void* weight;  // [cols], weight_dtype
+  const void* bias;    // [cols] or null (LayerNorm only), weight_dtype
   const void* grad;    // backward only: [rows, cols]
   void* out;           // forward: output; backward: grad of input
-  float* mean;         // [rows] (LayerNorm only)
+  float* mean;         // [rows] (LayerNorm only): written by the forward, read by the backward
   float* rstd;         // [rows]
-  float* grad_weight_partial;  // backward: [blocks, cols] partial sums, reduced by the caller
-  float* grad_bias_partial;    // backward: [blocks, cols] or null
-  int64_t rows, cols, partial_blocks;
+  float* grad_weight_partial;  // backward: fp32 workspace [partial_rows, cols]
+  float* grad_bias_partial;    // backward: fp32 workspace [partial_rows, cols], or null (RMSNorm)
+  void* grad_weight;           // backward: [cols], weight_dtype
+  void* grad_bias;             // backward: [cols], weight_dtype, or null (RMSNorm)
+  int64_t rows, cols, partial_rows;
   float eps;
   bool rms;
   DType dtype;
+  DType weight_dtype;  // kFloat or dtype
 };
 void norm_forward(const NormParams& p, void* stream);
+int64_t norm_backward_partial_rows(const NormParams& p);
 void norm_backward(const NormParams& p, void* stream);
 
 // ---- softmax.cu ----

@@ -1,8 +1,8 @@
 #pragma once
 // layer_norm and rms_norm over the last dim: per row the mean, then Σ (x - mean)² and
 // the output, each a pass over the cached row (fp32 accumulation for 16-bit inputs,
-// double for double; on CUDA one pass for both statistics; LayerNorm's CPU forward is
-// ATen's fused kernel). The forward keeps the per-row statistics (fp32; double for double
+// double for double; on CUDA the row is read once and kept in registers; LayerNorm's CPU
+// forward is ATen's fused kernel). The forward keeps the per-row statistics (fp32; double for double
 // inputs) for the backward, which computes the input gradient row by row and the weight
 // (and bias) gradients as deterministic per-chunk partial sums.
 // Operators: torch.ops.megatorch.layer_norm / rms_norm.

@@ -190,6 +190,34 @@ def test_cuda_matches_cpu(dtype):
                  ops.scaled_upper_triang_masked_softmax(x.view(8, 4096, 64)[:, :64, :64], 0.1), RTOL[dtype])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the norms' vectorised CUDA paths skipped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [256, 1024, 2048, 5120, 8192])
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_cuda_norms_vector_paths_match_cpu(dtype, cols, weight_fp32):
+    """Row lengths whole in 16-byte packs take the register-resident kernels (a warp per
+    row up to 128 packs, a block per row beyond); weights in the input's dtype or fp32.
+    Forward, input gradient and weight/bias gradients (summed over 300 rows, more than
+    one block's share) against the CPU kernels."""
+    gen = torch.Generator().manual_seed(cols)
+    rows = 300
+    x = (torch.randn(rows, cols, generator=gen) * 3 + 1).to(dtype)
+    w = (torch.rand(cols, generator=gen) + 0.5).to(torch.float32 if weight_fp32 else dtype)
+    b = torch.randn(cols, generator=gen).to(w.dtype)
+    g = torch.randn(rows, cols, generator=gen).to(dtype)
+    for name, fn, args in (("layer_norm", lambda x, w, b: ops.layer_norm(x, w, b, 1e-5), (x, w, b)),
+                           ("rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-6), (x, w))):
+        cpu_in = [t.clone().requires_grad_(True) for t in args]
+        gpu_in = [t.cuda().requires_grad_(True) for t in args]
+        y_cpu, y_gpu = fn(*cpu_in), fn(*gpu_in)
+        y_cpu.backward(g)
+        y_gpu.backward(g.cuda())
+        assert_close(y_gpu.cpu(), y_cpu, RTOL[dtype], msg=name)
+        for which, a, c in zip(("x", "weight", "bias"), gpu_in, cpu_in):
+            assert_close(a.grad.cpu(), c.grad, RTOL[dtype] if which == "x" else max(RTOL[dtype], 1e-4),
+                         msg=f"{name} grad {which}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU dropout statistics skipped")
 def test_cuda_bias_dropout_add_rate_and_generator():
     x = torch.ones(1 << 20, device="cuda")
@@ -200,6 +228,15 @@ def test_cuda_bias_dropout_add_rate_and_generator():
     assert torch.equal(a, b)
     assert abs((a == 0).float().mean().item() - 0.25) < 0.01
     assert math.isclose(a.max().item(), 1 / 0.75, rel_tol=1e-6)
+    # The vectorised path (rows whole in packs, with a bias): out = res + mask * (x + b) / keep.
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    out = ops.bias_dropout_add(x, bias, res, 0.1, True)
+    kept = out != res  # a dropped element leaves the residual (x + b == 0 is measure-zero here)
+    want = torch.where(kept, res.float() + (x.float() + bias.float()) / 0.9, res.float())
+    assert_close(out.float(), want, RTOL[torch.bfloat16])
+    assert abs(1 - kept.float().mean().item() - 0.1) < 0.01
 
 
 def test_extreme_inputs_match_reference():
