@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdio>
 
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
@@ -10,6 +11,7 @@
 #include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/transformer/context_parallel.h"
+#include "megatorch/transformer/cuda_graph.h"
 #include "megatorch/util/strings.h"
 
 namespace megatorch::models {
@@ -21,6 +23,8 @@ GPTModelImpl::GPTModelImpl(GPTModelOptions options_) : options(std::move(options
 
 void GPTModelImpl::reset() {
   const auto& c = options.config();
+  cuda_graphs_ = nullptr;  // captures read this model's parameters: a clone captures its own
+  cuda_graph_fallback_.clear();
   tp = tp::tp_info(options.group());
   cp = tp::tp_info(c.context_parallel_group());
   c.validate(tp.size, cp.size, tp::tp_info(c.expert_parallel_group()).size,
@@ -140,12 +144,17 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
     freqs = tokens < freqs.size(0) ? freqs.narrow(0, 0, tokens)
                                    : transformer::rope_frequencies(tokens, c.head_dim(), c.rotary_base(), c.device());
   }
-  for (size_t i = 0; i < layers->size(); ++i) {
-    const int64_t unit = first_unit_ + 1 + static_cast<int64_t>(i);
-    if (unit_hooks_) unit_hooks_->before_forward(unit);
-    h = layers[i]->as<transformer::TransformerLayer>()->forward(h, freqs);
-    if (unit_hooks_) h = unit_hooks_->after_forward(unit, h);
-  }
+  const auto run_layers = [&](at::Tensor x) {
+    for (size_t i = 0; i < layers->size(); ++i) {
+      const int64_t unit = first_unit_ + 1 + static_cast<int64_t>(i);
+      if (unit_hooks_) unit_hooks_->before_forward(unit);
+      x = layers[i]->as<transformer::TransformerLayer>()->forward(x, freqs);
+      if (unit_hooks_) x = unit_hooks_->after_forward(unit, x);
+    }
+    return x;
+  };
+  h = c.cuda_graph() && is_training() && torch::GradMode::is_enabled() ? run_layers_graphed(h, freqs, run_layers)
+                                                                        : run_layers(h);
   if (options.post_process()) {
     h = final_norm->forward(h);
     // The head is a column-parallel layer over the vocabulary that keeps its output split.
@@ -155,6 +164,24 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
   if (unit_hooks_) h = unit_hooks_->after_forward(first_unit_, h);
   return h;
 }
+
+at::Tensor GPTModelImpl::run_layers_graphed(const at::Tensor& h, const at::Tensor& freqs,
+                                            const std::function<at::Tensor(at::Tensor)>& run_layers) {
+  const std::string why = transformer::cuda_graph_unsupported(options.config(), h, tp.size, cp.size,
+                                                              unit_hooks_ != nullptr);
+  if (!why.empty()) {
+    if (cuda_graph_fallback_ != why) {  // once per reason, not per micro-batch
+      cuda_graph_fallback_ = why;
+      std::printf("[megatorch] cuda graph: not captured, the layers run eagerly: %s\n", why.c_str());
+      std::fflush(stdout);
+    }
+    return run_layers(h);
+  }
+  if (!cuda_graphs_) cuda_graphs_ = std::make_shared<transformer::LayerStackGraphs>(layers->parameters());
+  return cuda_graphs_->run(h, {freqs}, run_layers);
+}
+
+int64_t GPTModelImpl::cuda_graph_captures() const { return cuda_graphs_ ? cuda_graphs_->captures() : 0; }
 
 at::Tensor GPTModelImpl::forward_cached(const at::Tensor& input, int64_t position_offset,
                                        std::vector<inference::KVCache>& caches) {

@@ -6,6 +6,8 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/gpt_checkpoint.h"
@@ -133,6 +135,12 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_flag("--gradient-accumulation-fusion,!--no-gradient-accumulation-fusion", a.gradient_accumulation_fusion,
                "the tensor-parallel layers' weight-gradient GEMMs accumulate into the gradient buffer (default); "
                "--no-gradient-accumulation-fusion: each weight gradient added in a pass of its own");
+  app.add_flag("--cuda-graph,--enable-cuda-graph", a.cuda_graph,
+               "run the layers' forward and backward as captured CUDA graphs where they can be (one GPU per "
+               "stage, no dropout or recomputation); elsewhere they run eagerly and the model says why");
+  app.add_option("--sync-debug-iters", a.sync_debug_iters,
+                 "FIRST[-LAST]: these iterations' steps run under CUDA's sync debug mode 'error', so a "
+                 "device-to-host synchronisation inside the step fails the run naming it (a check; CPU: nothing to do)");
   // Mixed precision
   app.add_flag("--bf16", a.bf16);
   app.add_flag("--fp16", a.fp16);
@@ -291,6 +299,22 @@ void check_unit_interval(const char* flag, double v) {
   MEGATORCH_CHECK(v >= 0 && v < 1, "gpt_pretrain: expected --", flag, " in [0, 1), got ", v);
 }
 
+// "FIRST" or "FIRST-LAST", iterations counted from 1 as the log counts them.
+std::pair<int64_t, int64_t> parse_iteration_range(const std::string& text, const char* flag) {
+  int64_t first = 0, last = 0;
+  char dash = 0;
+  std::istringstream in(text);
+  bool ok = static_cast<bool>(in >> first);
+  if (ok && in >> dash) {
+    ok = dash == '-' && static_cast<bool>(in >> last) && (in >> std::ws).eof();
+  } else {
+    last = first;
+  }
+  MEGATORCH_CHECK(ok && first >= 1 && last >= first, "gpt_pretrain: expected --", flag,
+                  " to be an iteration or a range FIRST-LAST of them (1 <= FIRST <= LAST), e.g. 4-6, got '", text, "'");
+  return {first, last};
+}
+
 // Each flag on its own, by name, before anything combines them (a product of garbage
 // overflows, and a message naming two flags leaves the user to guess which was wrong).
 void check_each_flag(const TrainArguments& a) {
@@ -349,6 +373,9 @@ void check_each_flag(const TrainArguments& a) {
 
 void validate(TrainArguments& a, int64_t world) {
   check_each_flag(a);
+  if (!a.sync_debug_iters.empty()) {
+    std::tie(a.sync_debug_first, a.sync_debug_last) = parse_iteration_range(a.sync_debug_iters, "sync-debug-iters");
+  }
   const int64_t tp = a.tensor_model_parallel_size, pp = a.pipeline_model_parallel_size, cp = a.context_parallel_size;
   // Divided rather than multiplied: tp x pp of two huge sizes overflows int64.
   const bool fits = tp <= world && pp <= world / tp && cp <= world / (tp * pp);
@@ -481,6 +508,7 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .moe_pad_expert_input_to_capacity(a.moe_pad_expert_input_to_capacity)
       .moe_token_dispatcher_type(parse_token_dispatcher(a.moe_token_dispatcher_type))
       .moe_grouped_gemm(a.moe_grouped_gemm)
+      .cuda_graph(a.cuda_graph)
       .params_dtype(a.bf16 ? c10::kBFloat16 : a.fp16 ? c10::kHalf : c10::kFloat)
       .seed(a.seed);
   return c;

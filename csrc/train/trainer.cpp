@@ -70,6 +70,7 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
                .load_optimizer(!a.no_load_optim)
                .load_rng(!a.no_load_rng)
                .gradient_accumulation_fusion(a.gradient_accumulation_fusion)
+               .sync_debug_iterations({a.sync_debug_first, a.sync_debug_last})
                .model_config(ckpt::gpt_config_json(model_config(a)))
                .load_comparison(load_comparison(model_config(a)));
   // PaLM appendix B: 6Ψ + 12·L·h·s per token (attention counted in full, not halved for causal).

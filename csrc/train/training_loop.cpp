@@ -22,6 +22,7 @@
 #include "megatorch/pipeline/timeline_svg.h"
 #include "megatorch/train/expert_parameters.h"
 #include "megatorch/train/device_memory.h"
+#include "megatorch/train/sync_debug.h"
 
 namespace megatorch::train {
 namespace {
@@ -316,6 +317,9 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
                   options_.num_micro_batches(), " micro-batches per step and DP rank (num_micro_batches), got ",
                   host_mbs.size());
   const auto start = Clock::now();
+  const auto [check_first, check_last] = options_.sync_debug_iterations();
+  const SyncDebugScope sync_check(check_first <= iteration_ + 1 && iteration_ + 1 <= check_last, state_->device(),
+                                  iteration_ + 1);
   const auto mbs = on_device(host_mbs);
   comm::reset_comm_stats();
   IterationStats s;
@@ -350,7 +354,7 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
   }
   const at::Tensor loss = reduce_loss_on_device(result.loss);
   ++iteration_;
-  s.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  s.seconds = s.host_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (draw_timeline) {
     const auto records = pipeline::gather_timeline(result, state_->pp_size() > 1 ? pp_group() : tp_group());
     if (is_logging_rank()) {
@@ -396,7 +400,8 @@ void TrainingLoop::log(const IterationStats& s, const std::map<std::string, int6
                      {"lr", s.lr},                 {"grad_norm", s.grad_norm},
                      {"loss_scale", s.loss_scale}, {"skipped", s.skipped},
                      {"tokens_per_s", tokens_per_s}, {"tflops_per_rank", tflops},
-                     {"ms_per_iteration", s.seconds * 1e3}, {"consumed_samples", s.iteration * gbs},
+                     {"ms_per_iteration", s.seconds * 1e3}, {"host_ms_per_iteration", s.host_seconds * 1e3},
+                     {"consumed_samples", s.iteration * gbs},
                      {"comm_bytes", comm_bytes}};
     nlohmann::json memory(mem);
     memory["rss_bytes"] = rss;

@@ -151,7 +151,7 @@ const std::vector<Field>& fields() {
           [](Config& c, std::string g) { c.expert_tensor_parallel_group(std::move(g)); }),
       MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
-      MT_FIELD(shard_local_init), MT_FIELD(fused_kernels),
+      MT_FIELD(shard_local_init), MT_FIELD(fused_kernels), MT_FIELD(cuda_graph),
   };
   return all;
 }

@@ -9,10 +9,15 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
+#include <memory>
+#include <string>
+
 #include "megatorch/models/unit_hooks.h"
 #include "megatorch/tp/cross_entropy.h"
 #include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/vocab_parallel_embedding.h"
+#include "megatorch/transformer/cuda_graph.h"
 #include "megatorch/transformer/transformer_layer.h"
 
 namespace megatorch::models {
@@ -67,6 +72,11 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
   // `first_unit` (several chunks can share one optimizer). nullptr removes them.
   void set_unit_hooks(std::shared_ptr<UnitHooks> hooks, int64_t first_unit = 0);
 
+  // With config.cuda_graph: forward/backward graph pairs captured so far (0 where the
+  // layers cannot be captured), and why not ("" until a training forward found a reason).
+  int64_t cuda_graph_captures() const;
+  const std::string& cuda_graph_fallback_reason() const { return cuda_graph_fallback_; }
+
   // The output layer's weight shard [Vp/tp, h] (the embedding's when tied).
   at::Tensor output_weight() const;
   // Its own raw parameters: output_layer split over the padded vocabulary like the
@@ -84,6 +94,9 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
 
  private:
   at::Tensor embed(const at::Tensor& ids);
+  // The layers through captured CUDA graphs, or eagerly (saying why once) where they cannot be.
+  at::Tensor run_layers_graphed(const at::Tensor& h, const at::Tensor& freqs,
+                                const std::function<at::Tensor(at::Tensor)>& run_layers);
   // Global positions of this CP rank's `tokens` tokens (arange without CP).
   at::Tensor positions(int64_t tokens);
   at::Tensor positions_;  // positions()'s last table
@@ -91,6 +104,8 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
   at::Tensor rope_freqs_;
   at::Tensor inference_rope_freqs_;  // forward_cached's table, grown to the longest sequence seen
   std::shared_ptr<UnitHooks> unit_hooks_;
+  std::shared_ptr<transformer::LayerStackGraphs> cuda_graphs_;
+  std::string cuda_graph_fallback_;
   int64_t first_unit_ = 0;
 };
 TORCH_MODULE(GPTModel);

@@ -93,6 +93,11 @@ struct TrainArguments {
   double adam_eps = 1e-8;
   double clip_grad = 1.0;
   bool gradient_accumulation_fusion = true;  // --no-gradient-accumulation-fusion: off
+  bool cuda_graph = false;                   // --cuda-graph / --enable-cuda-graph
+  // --sync-debug-iters FIRST[-LAST]: steps run under CUDA's sync debug mode "error"
+  // (parsed into the two numbers; 0: none).
+  std::string sync_debug_iters;
+  int64_t sync_debug_first = 0, sync_debug_last = 0;
   // Mixed precision
   bool bf16 = false;
   bool fp16 = false;

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megatorch/ckpt/sharded_entry.h"
@@ -49,8 +50,15 @@ struct IterationStats {
   double loss_scale = 1;
   bool skipped = false;
   double seconds = 0;
+  // The host's own time to issue the step (run_step from start to return). On a CPU it is
+  // `seconds`; on a GPU, where the host queues work and returns, it is the launch and
+  // bookkeeping cost: a step whose host time nears its wall time is launch-bound.
+  double host_seconds = 0;
   moe::MoEStepReport moe;  // per MoE layer: losses and tokens per expert (empty: no experts)
 };
+
+// Iterations [first, last], counted from 1.
+using IterationRange = std::pair<int64_t, int64_t>;
 
 struct TrainingLoopOptions {
   // Layout: tp × cp × pp × dp = the torchrun world. `name` prefixes the process groups.
@@ -90,6 +98,11 @@ struct TrainingLoopOptions {
   // The tensor-parallel layers' weight-gradient GEMMs accumulate into the gradient buffer
   // (Megatron's gradient_accumulation_fusion; DistributedOptimizerOptions).
   TORCH_ARG(bool, gradient_accumulation_fusion) = true;
+  // Iterations [first, last] (counted from 1; {0, 0}: none) whose step runs under CUDA's
+  // sync debug mode "error": a device-to-host synchronisation inside the step (an item(),
+  // a D2H copy, a size-dependent allocation) fails the run naming the iteration. Reading
+  // the logged values after the step is outside the check. Nothing to check on a CPU.
+  TORCH_ARG(IterationRange, sync_debug_iterations) = IterationRange{0, 0};
   // Mixed precision: the parameters' dtype is the model's; fp16 adds dynamic loss scaling.
   TORCH_ARG(bool, fp16) = false;
   TORCH_ARG(double, initial_loss_scale) = 4294967296.0;

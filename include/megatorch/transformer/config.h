@@ -112,6 +112,11 @@ struct TransformerConfig {
   // bias-dropout-add, RoPE and the loss's local part; off: the unfused ATen chains.
   // Same numbers either way (fp32: to summation order; the dropout masks are equal).
   TORCH_ARG(bool, fused_kernels) = true;
+  // Run the layer stack's forward and backward in training as captured CUDA graphs
+  // (transformer/cuda_graph.h; Megatron's enable_cuda_graph). Where it cannot (not CUDA,
+  // collectives between layers, dropout, recomputation, ZeRO-3) the layers run eagerly and
+  // the model says why once. The same numbers either way.
+  TORCH_ARG(bool, cuda_graph) = false;
 
   // TORCH_ARG leaves the struct in `private:`.
  public:

@@ -117,6 +117,7 @@ def fails_fast(base, args, message):
     (["--schedule", "dualpipev", "--pipeline-model-parallel-size", "2", "--num-layers", "6", "--lr-warmup-iters", "0"],
      "expected --num-layers to be a multiple of 4, got 6"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--sync-debug-iters", "6-4"], "expected --sync-debug-iters to be an iteration or a range FIRST-LAST"),
     # No GPU on this machine: asking for one fails before anything connects (the warm-up
     # flag only makes the rest of this configuration valid).
     (["--device", "cuda", "--lr-warmup-iters", "0"], "no CUDA device is visible"),
@@ -142,6 +143,24 @@ def test_bad_configuration_fails_fast_on_every_rank(args, message):
         _, err = p.communicate(timeout=30)
         assert p.returncode != 0
         assert err.count(message) == 1, err[-2000:]
+
+
+def test_cuda_graph_and_sync_check_say_why_they_do_nothing_on_a_cpu(tmp_path):
+    """--cuda-graph and --sync-debug-iters on CPU ranks: each says once why it does nothing
+    here (the capture needs CUDA work; there is no device to wait for), and the run's losses
+    are those of a run without them, bit for bit."""
+    base = [*MODEL, "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    runs = {}
+    for name, flags in (("plain", []), ("flags", ["--cuda-graph", "--sync-debug-iters", "2-3"])):
+        log = tmp_path / f"{name}.jsonl"
+        out, _ = torchrun(1, [*base, "--log-json", str(log), *flags], timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = (losses(log), out.stdout)
+    assert runs["flags"][0] == runs["plain"][0]
+    said = runs["flags"][1]
+    assert said.count("cuda graph: not captured, the layers run eagerly: the layers run on cpu") == 1, said[-3000:]
+    assert said.count("sync debug: the step runs on cpu, not CUDA") == 1, said[-3000:]
+    assert "cuda graph" not in runs["plain"][1] and "sync debug" not in runs["plain"][1]
 
 
 def test_two_nodes_tp_within_pp_across(tmp_path):
