@@ -8,13 +8,18 @@
 # Writes gpu_check.json (machine, torch, each step's status and seconds), gpu_tests.json
 # (pytest counts and the skip reasons), pretrain.json + pretrain.md (scripts/bench/
 # gpu_pretrain.py: gpt_pretrain on one GPU against the CPU, TP2 x PP2 as 4 processes sharing
-# the GPU through Gloo against the CPU, and GPT 1.3B bf16 tokens/s, TFLOP/s and MFU from
-# the trainer's own log, next to the eager and torch.compile rows of gpt.json), gpt.json +
-# gpt.md (scripts/bench/gpu_gpt.py at 1.3B: megatorch's model from Python against eager
-# PyTorch, torch.compile and Megatron-Core), kernels.json (scripts/bench/gpu_kernels.py)
+# the GPU through Gloo against the CPU, the steady-state step under --sync-debug-iters, GPT
+# 1.3B bf16 tokens/s, TFLOP/s and MFU from the trainer's own log, next to the eager and
+# torch.compile rows of gpt.json, and GPT 350M at micro-batch 1 with and without
+# --cuda-graph: host vs wall time per step), gpt.json +
+# gpt.md (scripts/bench/gpu_gpt.py, GPT 1.3B and Llama ~1B in one run: megatorch's model
+# from Python against eager PyTorch, torch.compile, torchtitan and Megatron-Core; the sync
+# check, the goal against pretrain.json) with profile_megatorch_1.3B.json.gz and
+# profile_eager_1.3B.json.gz (Chrome traces), kernels.json (scripts/bench/gpu_kernels.py)
 # and gpu_check.log. Meant to finish in under 8 minutes (MEGATORCH_GPU_CHECK_LIMIT_S,
-# default 480): the pretrain step gets MEGATORCH_PRETRAIN_S (default 170), the GPT
-# benchmark what is left less 60 s (at least 120 s), the kernel benchmark the rest.
+# default 480): the pretrain step gets MEGATORCH_PRETRAIN_S (default 220), the GPT
+# benchmark what is left less 60 s (at least 90 s; MEGATORCH_GPT_BENCH_S sets it), the
+# kernel benchmark the rest.
 #
 # Steps run in order, each a function `step_<name>` listed in STEPS; a step that fails is
 # recorded and the next one still runs; the exit status is non-zero if any failed. Another
@@ -28,7 +33,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 START=$(date +%s)
 LIMIT_S=${MEGATORCH_GPU_CHECK_LIMIT_S:-480}
-PRETRAIN_S=${MEGATORCH_PRETRAIN_S:-170}
+PRETRAIN_S=${MEGATORCH_PRETRAIN_S:-220}
 export MEGATORCH_BUILD_DIR="${MEGATORCH_BUILD_DIR:-$MT_ROOT/build-gpu}"
 export MEGATORCH_JOBS="${MEGATORCH_JOBS:-$(nproc)}"
 RESULTS="${1:-${OUT:-$MEGATORCH_BUILD_DIR/results}}"
@@ -130,14 +135,19 @@ step_pretrain() {
 }
 
 step_gpt_bench() {
-  # The same 1.3B GPT at sequence 2048, bf16, in eager PyTorch, torch.compile, Megatron-Core
-  # (local layers) and megatorch's model driven from Python; tokens/s, TFLOP/s, MFU, peak
-  # memory. Without a GPU: its CPU fallback at toy sizes (says so; not GPU numbers).
+  # GPT 1.3B and a Llama ~1B (GQA 4:1, SwiGLU, RoPE, untied output; gpu_gpt.py's llama-1B) at
+  # sequence 2048, bf16, in one run: megatorch's model driven from Python, eager PyTorch,
+  # torch.compile, torchtitan's Llama and Megatron-Core (local layers) where importable; tokens/s,
+  # TFLOP/s, MFU, peak memory, first-step loss, the sync check, the profile of the 1.3B megatorch
+  # and eager rows (Chrome traces in $RESULTS) and the goal (gpt_pretrain's row from pretrain.json).
+  # Rows in priority order: the megatorch and eager rows of both models first; what does not fit
+  # in the budget is skipped with the reason (the standalone run, --budget-s 420, has them all).
+  # Without a GPU: its CPU fallback at toy sizes (says so; not GPU numbers).
   local left=$(( LIMIT_S - $(elapsed) - 60 ))
-  (( left < 120 )) && left=120
-  local sizes=(--sizes 1.3B)
-  [[ $GPU == true ]] || sizes=()
-  "$PY" "$MT_ROOT/scripts/bench/gpu_gpt.py" --out "$RESULTS/gpt.json" --budget-s "$left" "${sizes[@]}"
+  (( left < 90 )) && left=90
+  [[ -n ${MEGATORCH_GPT_BENCH_S:-} ]] && left=$MEGATORCH_GPT_BENCH_S
+  "$PY" "$MT_ROOT/scripts/bench/gpu_gpt.py" --out "$RESULTS/gpt.json" --budget-s "$left" --arch gpt,llama \
+    --pretrain-json "$RESULTS/pretrain.json"
 }
 
 step_report() {

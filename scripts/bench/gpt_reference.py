@@ -5,10 +5,16 @@ and the mixed-precision AdamW every peer trains with.
 ``nn.Linear``, ``F.layer_norm`` / ``F.rms_norm``, ``F.gelu(approximate="tanh")`` or SwiGLU,
 RoPE in plain ops, attention through ``F.scaled_dot_product_attention`` (flash on GPUs),
 cross entropy in fp32. Its parameters carry megatorch's names and layouts (the fused QKV
-weight laid out group by group, [q heads of the group, k, v]; tied embeddings; the
-padded vocabulary), so ``load_state_dict(megatorch_model.state_dict())`` gives the same
-model and the same loss — which ``same_loss_as`` checks, proving the two are the same
-architecture and the same FLOPs.
+weight laid out group by group, [q heads of the group, k, v], so GQA is the same;
+``output_layer`` when the embeddings are untied; the padded vocabulary), so
+``load_state_dict(megatorch_model.state_dict())`` gives the same model and the same loss —
+which ``same_loss_as`` checks, proving the two are the same architecture and the same FLOPs.
+
+``shared_init_`` gives every implementation of the benchmark the same initial weights
+without copying a model: each parameter, named as megatorch names it, is drawn from its
+own generator seeded by the name (norm weights 1, biases 0, matrices N(0, init_std)).
+Megatron-Core's and torchtitan's builders map their names (and torchtitan's split QKV and
+interleaved RoPE) onto these, so every row of a size starts from the same first-step loss.
 
 ``MasterAdamW`` is how the peers get megatorch's precision recipe (bf16 parameters,
 gradients and activations; fp32 master weights and AdamW states): torch's fused AdamW
@@ -16,6 +22,7 @@ over fp32 copies, the bf16 gradients copied in and the bf16 parameters copied ou
 with one multi-tensor call.
 """
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +42,7 @@ class GPTShape:
     ffn_hidden_size: int = 0             # 0: 4h (GeLU) or 8h/3 rounded up to 64 (SwiGLU), as megatorch
     arch: str = "gpt"                    # "gpt": LayerNorm, GeLU(tanh), learned positions, biases;
                                          # "llama": RMSNorm, SwiGLU, RoPE, no biases
+    tie_embeddings: bool = True          # False: a separate output layer [V, h] ("output_layer")
     norm_epsilon: float = 1e-5
     init_std: float = 0.02
 
@@ -61,7 +69,8 @@ class GPTShape:
         out = dict(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
                    num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn, num_layers=self.num_layers,
                    seq_length=self.seq_length, vocab_size=self.vocab_size, norm_epsilon=self.norm_epsilon,
-                   init_std=self.init_std, attention_dropout=0.0, hidden_dropout=0.0, tie_embeddings=True)
+                   init_std=self.init_std, attention_dropout=0.0, hidden_dropout=0.0,
+                   tie_embeddings=self.tie_embeddings)
         if self.llama:
             out.update(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
                        add_bias_linear=False)
@@ -71,7 +80,8 @@ class GPTShape:
         return out
 
     def num_parameters(self) -> int:
-        """Every parameter once (the tied embedding once): what PaLM's 6N counts."""
+        """Every parameter once (a tied embedding once, an untied output layer counted): what PaLM's 6N
+        counts."""
         h, L, V, s, f = self.hidden_size, self.num_layers, self.vocab_size, self.seq_length, self.ffn
         d, a, g = self.head_dim, self.num_attention_heads, self.groups
         bias = not self.llama
@@ -82,7 +92,34 @@ class GPTShape:
         norm = h * (1 if self.llama else 2)
         layer = qkv + proj + fc1 + fc2 + 2 * norm
         positions = 0 if self.llama else s * h
-        return L * layer + V * h + positions + norm
+        output = 0 if self.tie_embeddings else V * h
+        return L * layer + V * h + output + positions + norm
+
+    def canonical_sizes(self) -> dict:
+        """megatorch's parameter names and sizes for this shape (the names shared_init_ draws by)."""
+        h, V, s, f = self.hidden_size, self.vocab_size, self.seq_length, self.ffn
+        d, a, g = self.head_dim, self.num_attention_heads, self.groups
+        glu, bias = self.llama, not self.llama
+        out = {}
+        if not self.llama:
+            out["position_embedding"] = (s, h)
+        out["embedding.weight"] = (V, h)
+        if not self.tie_embeddings:
+            out["output_layer"] = (V, h)
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            layer = {"input_norm.weight": (h,), "attention.qkv.weight": ((a + 2 * g) * d, h),
+                     "attention.proj.weight": (h, a * d), "post_attention_norm.weight": (h,),
+                     "mlp.fc1.weight": (f * (2 if glu else 1), h), "mlp.fc2.weight": (h, f)}
+            if bias:
+                layer.update({"input_norm.bias": (h,), "attention.qkv.bias": ((a + 2 * g) * d,),
+                              "attention.proj.bias": (h,), "post_attention_norm.bias": (h,),
+                              "mlp.fc1.bias": (f,), "mlp.fc2.bias": (h,)})
+            out.update({p + k: v for k, v in layer.items()})
+        out["final_norm.weight"] = (h,)
+        if bias:
+            out["final_norm.bias"] = (h,)
+        return out
 
     def flops_per_token(self) -> float:
         """PaLM appendix B, as megatorch's trainer counts it (csrc/train/trainer.cpp): 6N + 12·L·h·s,
@@ -177,6 +214,8 @@ class ReferenceGPT(nn.Module):
             self.position_embedding = nn.Parameter(torch.empty(shape.seq_length, shape.hidden_size, **kw))
         self.layers = nn.ModuleList(Block(shape, **kw) for _ in range(shape.num_layers))
         self.final_norm = Norm(shape, **kw)
+        if not shape.tie_embeddings:
+            self.output_layer = nn.Parameter(torch.empty(shape.vocab_size, shape.hidden_size, **kw))
         self.rope = None
         if shape.llama:
             self.rope = rope_tables(shape.seq_length, shape.head_dim, 10000.0, device)
@@ -196,7 +235,8 @@ class ReferenceGPT(nn.Module):
         return x
 
     def head_loss(self, x, labels):
-        logits = F.linear(self.final_norm(x), self.embedding.weight)  # tied
+        weight = self.embedding.weight if self.shape.tie_embeddings else self.output_layer
+        logits = F.linear(self.final_norm(x), weight)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
 
     def loss(self, ids, labels):
@@ -243,6 +283,42 @@ class MasterAdamW:
 
     def state_bytes(self) -> int:
         return sum(m.numel() * 4 * 4 for m in self.master)  # master, its grad, exp_avg, exp_avg_sq
+
+
+def canonical_value(name: str, size, shape: GPTShape, seed: int, device) -> torch.Tensor:
+    """The fp32 initial value of megatorch's parameter `name`: norm weights 1, biases 0, every
+    matrix N(0, init_std) from a generator seeded by (seed, name) on `device` (the same values
+    whichever model asks, and whatever order it asks in)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(size, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(size, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(size, device=device).normal_(0.0, shape.init_std, generator=gen)
+
+
+@torch.no_grad()
+def shared_init_(targets, shape: GPTShape, seed: int = 1234) -> int:
+    """Fills parameters from canonical_value. `targets`: (canonical name, parameter) pairs, or
+    (canonical name, parameter, transform) where transform maps the canonical fp32 value (in
+    megatorch's layout) to the parameter's (a slice, a permutation). Returns how many were set;
+    raises if a name is not one of megatorch's or a size does not match."""
+    sizes = shape.canonical_sizes()
+    n = 0
+    for target in targets:
+        name, param = target[0], target[1]
+        transform = target[2] if len(target) > 2 else None
+        if name not in sizes:
+            raise KeyError(f"shared_init_: {name} is not a parameter of megatorch's model for this shape")
+        value = canonical_value(name, sizes[name], shape, seed, param.device)
+        if transform is not None:
+            value = transform(value)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"shared_init_: {name}: value {tuple(value.shape)} for a parameter {tuple(param.shape)}")
+        param.copy_(value)
+        n += 1
+    return n
 
 
 def same_loss_as(megatorch_model, shape: GPTShape, ids, labels, rtol=1e-4) -> dict:

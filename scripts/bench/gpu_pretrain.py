@@ -13,6 +13,13 @@
 3. gpt_1p3b: one GPU, bf16, GPT ~1.3B (h 2048, 24 layers, 16 heads, seq 2048, vocabulary
    50304), the micro-batch halved from --micro-batch until it fits: steady-state
    tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure.
+4. host_sync: the tiny GPT on one GPU, fp32 and bf16, with --sync-debug-iters 4-6: the
+   steady-state step makes no device-to-host synchronisation (CUDA's sync debug mode
+   "error" around steps 4-6; a synchronisation fails the run and its message is kept).
+5. cuda_graph_350m: GPT ~350M (h 1024, 24 layers) bf16 at micro-batch 1, without and with
+   --cuda-graph (no dropout in either): host and wall milliseconds per step and the
+   speed-up, i.e. whether the step is launch-bound there and what graph replay gains.
+   Skipped with the reason when the budget is spent.
 
     python3 scripts/bench/gpu_pretrain.py --bin build-gpu/bin --out OUT/pretrain.json \\
         [--gpt-json OUT/gpt.json] [--budget-s 200]
@@ -43,6 +50,9 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 # The shared-GPU checks: result key -> schedule.
 SHARED = {"shared_gpu": "1f1b", "shared_gpu_zb_h1": "zb-h1", "shared_gpu_zb_v": "zb-v",
           "shared_gpu_dualpipev": "dualpipev"}
+GPT_350M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--vocab-size", "50304", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
+            "--clip-grad", "1.0", "--seed", "1234"]
 GPT_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
             "--vocab-size", "50304", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
             "--clip-grad", "1.0", "--seed", "1234"]
@@ -141,6 +151,50 @@ def measure_1p3b(binary, micro_batch, iters, deadline):
     return {"ok": False, "tried": tried, "error": "out of memory at micro-batch 1"}
 
 
+def check_host_sync(binary, timeout):
+    """The steady-state step issues its work without waiting for the device."""
+    out = {"what": "tiny GPT on one GPU, --sync-debug-iters 4-6 (CUDA sync debug mode 'error')", "runs": {}}
+    for dtype in ("fp32", "bf16"):
+        args = [*TINY, "--device", "cuda", "--sync-debug-iters", "4-6", "--hidden-dropout", "0",
+                "--attention-dropout", "0", *(["--bf16"] if dtype == "bf16" else [])]
+        recs, code, tail = run_pretrain(binary, 1, args, timeout)
+        sync_line = next((line for line in tail.splitlines() if "synchroniz" in line.lower()), "")
+        out["runs"][dtype] = {"ok": code == 0 and len(recs) == 10, "exit": code, "synchronisation": sync_line,
+                              "log_tail": "" if code == 0 else tail[-1500:]}
+    out["ok"] = all(r["ok"] for r in out["runs"].values())
+    return out
+
+
+def measure_cuda_graph(binary, deadline, iters=10):
+    """350M bf16 at micro-batch 1, eager layers against captured ones: host vs wall time."""
+    rows = {}
+    for name, flags in (("eager", []), ("cuda_graph", ["--cuda-graph"])):
+        left = deadline - time.monotonic()
+        if left < 45:
+            rows[name] = {"ok": False, "error": "skipped: out of time budget"}
+            continue
+        args = [*GPT_350M, "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(iters),
+                "--device", "cuda", "--hidden-dropout", "0", "--attention-dropout", "0", *flags]
+        recs, code, tail = run_pretrain(binary, 1, args, timeout=int(left))
+        if code != 0 or len(recs) != iters:
+            rows[name] = {"ok": False, "exit": code, "error": tail[-1500:]}
+            continue
+        steady = [recs[i] for i in sorted(recs) if i > 3]
+        mean = lambda k: sum(r[k] for r in steady) / len(steady)  # noqa: E731
+        rows[name] = {"ok": True, "ms_per_iteration": mean("ms_per_iteration"),
+                      "host_ms_per_iteration": mean("host_ms_per_iteration"), "tokens_per_s": mean("tokens_per_s"),
+                      "loss_first": recs[1]["loss"], "captured": "cuda graph: not captured" not in tail}
+    out = {"what": "GPT 350M bf16, micro-batch 1, one GPU: eager layers vs --cuda-graph", "rows": rows,
+           "ok": all(r["ok"] for r in rows.values())}
+    if out["ok"]:
+        e, g = rows["eager"], rows["cuda_graph"]
+        out["host_share_eager"] = e["host_ms_per_iteration"] / e["ms_per_iteration"]
+        out["speedup"] = e["ms_per_iteration"] / g["ms_per_iteration"]
+        out["same_first_loss"] = abs(e["loss_first"] - g["loss_first"]) <= 1e-3 * abs(e["loss_first"])
+        out["ok"] = out["same_first_loss"] and g["captured"]
+    return out
+
+
 def markdown(result, gpt_rows):
     lines = ["| check | result | detail |", "|---|---|---|"]
     for key in ("parity", *SHARED):
@@ -161,6 +215,13 @@ def markdown(result, gpt_rows):
                      f"{g['tflops']:.1f} | {100 * g['mfu_datasheet']:.1f}% |")
     else:
         lines.append(f"| gpt_pretrain | failed: {str(g.get('error', ''))[-200:]!r} | | | |")
+    h = result.get("host_sync", {"skipped": "not run"})
+    if h.get("skipped"):
+        lines.insert(2 + len(SHARED) + 1, f"| host_sync | skipped | {h['skipped']} |")
+    else:
+        detail = "; ".join(f"{k}: {'no synchronisation' if r['ok'] else (r['synchronisation'] or 'failed')}"
+                           for k, r in h["runs"].items())
+        lines.insert(2 + len(SHARED) + 1, f"| host_sync | {'pass' if h['ok'] else 'FAIL'} | {h['what']}: {detail} |")
     names = {"megatorch": "megatorch model in Python (gpu_gpt.py)", "eager": "PyTorch eager (gpu_gpt.py)",
              "compile": "torch.compile (gpu_gpt.py)"}
     for r in gpt_rows:
@@ -171,6 +232,18 @@ def markdown(result, gpt_rows):
                          f"{r['tflops']:.1f} | {100 * (r.get('mfu_vs_datasheet') or 0):.1f}% |")
         else:
             lines.append(f"| {names[r['impl']]} | {r.get('status', 'not run')}: {str(r.get('error', ''))[:80]} | | | |")
+    c = result.get("cuda_graph_350m", {"skipped": "not run"})
+    lines += ["", "| GPT 350M, bf16, micro-batch 1 | ms/step | host ms/step | tokens/s |", "|---|---|---|---|"]
+    if c.get("skipped"):
+        lines.append(f"| skipped: {c['skipped']} | | | |")
+    else:
+        for name, r in c["rows"].items():
+            lines.append(f"| gpt_pretrain{' --cuda-graph' if name == 'cuda_graph' else ''} | "
+                         + (f"{r['ms_per_iteration']:.1f} | {r['host_ms_per_iteration']:.1f} | {r['tokens_per_s']:.0f} |"
+                            if r["ok"] else f"failed: {str(r.get('error', ''))[-120:]!r} | | |"))
+        if "speedup" in c:
+            lines.append(f"\nEager host time is {100 * c['host_share_eager']:.0f}% of the step; CUDA graphs: "
+                         f"{c['speedup']:.2f}x the eager step's speed, same first loss: {c['same_first_loss']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -207,12 +280,16 @@ def main():
         for key, schedule in SHARED.items():
             result[key] = check_shared_gpu(binary, timeout=300, schedule=schedule)
             print(f"{key}:", json.dumps({k: v for k, v in result[key].items() if k != "losses"}), flush=True)
+        result["host_sync"] = check_host_sync(binary, timeout=300)
+        print("host_sync:", json.dumps(result["host_sync"])[:2000], flush=True)
         result["gpt_1p3b"] = measure_1p3b(binary, a.micro_batch, a.iters, deadline)
         print("gpt_1p3b:", json.dumps(result["gpt_1p3b"])[:2000], flush=True)
+        result["cuda_graph_350m"] = measure_cuda_graph(binary, deadline)
+        print("cuda_graph_350m:", json.dumps(result["cuda_graph_350m"])[:2000], flush=True)
     else:
-        for key in (*SHARED, "gpt_1p3b"):
+        for key in (*SHARED, "host_sync", "gpt_1p3b", "cuda_graph_350m"):
             result[key] = {"skipped": "no GPU", "ok": True}
-    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "gpt_1p3b"))
+    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "host_sync", "gpt_1p3b", "cuda_graph_350m"))
     out.write_text(json.dumps(result, indent=2))
     table = markdown(result, gpt_rows)
     out.with_suffix(".md").write_text(table)
