@@ -212,4 +212,20 @@ MT_VEC_CLONES float sq_dev_sum(const float* x, float c, int64_t n) {
   return s;
 }
 
+MT_VEC_CLONES void norm_backward_row(const float* x, const float* g, const float* w, float mean, float rstd, float* dx,
+                                   float* dw, float* db, int64_t n, bool rms) {
+  float sum_gw = 0, sum_gwx = 0;
+#pragma omp simd reduction(+ : sum_gw, sum_gwx)
+  for (int64_t i = 0; i < n; ++i) {
+    const float xh = (x[i] - mean) * rstd, gw = g[i] * w[i];
+    sum_gw += gw;
+    sum_gwx += gw * xh;
+    dw[i] += g[i] * xh;
+    db[i] += g[i];
+  }
+  const float a = rms ? 0.0f : sum_gw / static_cast<float>(n), b = sum_gwx / static_cast<float>(n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dx[i] = rstd * (g[i] * w[i] - a - (x[i] - mean) * rstd * b);
+}
+
 }  // namespace megatorch::kernels::vec

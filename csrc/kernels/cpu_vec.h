@@ -43,5 +43,9 @@ void bf16_to_f32(const uint16_t* x, float* y, int64_t n);
 void f32_to_bf16(const float* x, uint16_t* y, int64_t n);
 // Σ (x - c)²
 float sq_dev_sum(const float* x, float c, int64_t n);
+// One row of the LayerNorm / RMSNorm backward (norms.cpp has the formula): dx, and the
+// row's terms added into the weight and bias gradient sums dw += g·x̂, db += g.
+void norm_backward_row(const float* x, const float* g, const float* w, float mean, float rstd, float* dx, float* dw,
+                       float* db, int64_t n, bool rms);
 
 }  // namespace megatorch::kernels::vec

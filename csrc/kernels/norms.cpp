@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -92,6 +93,11 @@ void cpu_backward(const T* g, const T* x, const A* mean, const A* rstd, const A*
       std::fill(dwp, dwp + cols, A(0));
       std::fill(dbp, dbp + cols, A(0));
       for (int64_t r = k * per; r < std::min(rows, (k + 1) * per); ++r) {
+        if constexpr (std::is_same_v<T, float>) {  // the vectorised row (cpu_vec.cpp)
+          vec::norm_backward_row(x + r * cols, g + r * cols, w, rms ? 0.0f : mean[r], rstd[r], dx + r * cols, dwp, dbp,
+                                 cols, rms);
+          continue;
+        }
         const T* xr = x + r * cols;
         const T* gr = g + r * cols;
         const A m = rms ? A(0) : mean[r], rs = rstd[r];
@@ -194,6 +200,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const char* op, const at
   const at::Tensor input = input_.contiguous(), grad = grad_.to(input.scalar_type()).contiguous();
   const at::Tensor m = rms ? at::Tensor() : mean.contiguous(), rs = rstd.contiguous();
   const int64_t rows = detail::rows_of(input), cols = input.size(-1);
+  if (!rms && rows > 0 && input.is_cpu() && input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat) {
+    // The forward on CPU is ATen's LayerNorm, and so is the backward: one vectorised pass
+    // per row, with its own reduction of the weight and bias gradients (measured faster
+    // than the per-row loop below plus the partial sums' reduction at small widths). Its
+    // statistics are ours with a trailing 1; its bias argument only gives the bias
+    // gradient's shape and dtype, which are the weight's.
+    std::vector<int64_t> stats = input.sizes().vec();
+    stats.back() = 1;
+    const at::Tensor w = weight.contiguous();
+    return at::native_layer_norm_backward(grad, input, {cols}, m.reshape(stats), rs.reshape(stats), w, w,
+                                          {true, true, true});
+  }
   at::Tensor dx = at::empty_like(input, at::MemoryFormat::Contiguous);
   if (rows == 0) return {dx, at::zeros_like(weight), at::zeros_like(weight)};
   if (input.is_cuda()) {
