@@ -24,13 +24,14 @@ struct Shard {
   at::Tensor padded;  // bool [V/tp]: columns past the real vocabulary, or undefined
 };
 
-Shard shard_of(const at::Tensor& logits, const std::string& group, int64_t vocab_size) {
+// `with_mask`: build `padded` (the fused kernels need only start and real).
+Shard shard_of(const at::Tensor& logits, const std::string& group, int64_t vocab_size, bool with_mask = true) {
   const TPInfo tp = tp_info(group);
   const int64_t local = logits.size(-1);
   Shard s;
   s.start = tp.rank * local;
   s.real = vocab_size > 0 ? vocab_size : local * tp.size;
-  if (vocab_size > 0 && s.start + local > vocab_size) {
+  if (with_mask && vocab_size > 0 && s.start + local > vocab_size) {
     s.padded = at::arange(s.start, s.start + local, logits.options().dtype(at::kLong)) >= vocab_size;
   }
   return s;
@@ -162,8 +163,16 @@ at::Tensor vocab_parallel_cross_entropy_backward(const at::Tensor& grad_loss, co
                                                  const at::Tensor& target, const at::Tensor& log_sum_exp,
                                                  const std::string& group, double smoothing, int64_t ignore_index,
                                                  int64_t vocab_size) {
-  const Shard shard = shard_of(logits, group, vocab_size);
   const int64_t local = logits.size(-1);
+  if (logits.is_cuda() && logits.scalar_type() != at::kDouble) {
+    // One fused pass (kernels::cross_entropy_backward_cuda): reads each logit once and
+    // writes its gradient once, with the arithmetic of the chain below.
+    const Shard shard = shard_of(logits, group, vocab_size, /*with_mask=*/false);
+    const int64_t real_cols = std::clamp<int64_t>(shard.real - shard.start, 0, local);
+    return kernels::cross_entropy_backward_cuda(grad_loss, logits, target, log_sum_exp, shard.start, real_cols,
+                                                shard.real, smoothing, ignore_index);
+  }
+  const Shard shard = shard_of(logits, group, vocab_size);
   // d loss / d logit_j = p_j - (1-ε)·[j = target] - ε/K over the real columns.
   at::Tensor grad = (logits.to(at::kFloat) - log_sum_exp.unsqueeze(-1)).exp_();
   if (shard.padded.defined()) grad.masked_fill_(shard.padded, 0);

@@ -123,6 +123,24 @@ struct CrossEntropyLocalParams {
 };
 void cross_entropy_local(const CrossEntropyLocalParams& p, void* stream);
 
+// ---- cross_entropy_backward.cu ----
+// The gradient of the per-token loss with respect to this rank's logits shard, in one
+// pass: grad[r, c] = g'_r · (p - target_weight·[c = target[r] - vocab_start]
+// - uniform_weight·[c < real_cols]), p = exp(x - log_sum_exp[r]) for c < real_cols and
+// 0 for the padded columns, g'_r = grad_loss[r] or 0 where target[r] == ignore_index.
+struct CrossEntropyBackwardParams {
+  const void* logits;        // [rows, cols]
+  const int64_t* target;     // [rows], global ids
+  const float* log_sum_exp;  // [rows] the global log Σ exp over the real vocabulary
+  const float* grad_loss;    // [rows] incoming gradient of the per-token loss
+  void* grad;                // [rows, cols] output, the logits' dtype (not the logits)
+  int64_t rows, cols, vocab_start, real_cols, ignore_index;
+  float target_weight;   // 1 - ε, rounded to fp32
+  float uniform_weight;  // ε / K (K: the real vocabulary size), rounded to fp32; 0 without smoothing
+  DType dtype;
+};
+void cross_entropy_backward(const CrossEntropyBackwardParams& p, void* stream);
+
 // ---- fused_adamw.cu (multi-tensor AdamW) ----
 constexpr int kAdamWMaxTensors = 24;  // per launch; keeps the argument block < 4 KiB
 struct AdamWParams {

@@ -239,6 +239,119 @@ def test_cuda_bias_dropout_add_rate_and_generator():
     assert abs(1 - kept.float().mean().item() - 0.1) < 0.01
 
 
+_FAKE_GROUPS = {}  # c10d's registry holds groups weakly: keep them alive here
+
+
+def _fake_tp_group(rank, size):
+    """The name of a process group that says "rank `rank` of `size`" and communicates
+    nothing (c10d's FakeProcessGroup): the loss's backward reads only the rank (its shard
+    starts at rank · cols) and runs no collective, so one process can test any shard."""
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    name = f"megatorch_test_fake_tp_{rank}_of_{size}"
+    if name not in _FAKE_GROUPS:
+        pg = c10d.ProcessGroup(dist.HashStore(), rank, size)
+        backend = c10d.FakeProcessGroup._create_internal(rank, size)
+        pg._set_default_backend(c10d.ProcessGroup.BackendType.CUSTOM)
+        for device in ("cpu", "cuda"):
+            pg._register_backend(torch.device(device), c10d.ProcessGroup.BackendType.CUSTOM, backend)
+        c10d._register_process_group(name, pg)
+        _FAKE_GROUPS[name] = pg
+    return name
+
+
+def _assert_one_rounding(got, want, msg, rtol32=1e-6):
+    """16-bit results of fp32 arithmetic that agrees to rtol32 x max|want| (the fp32 criterion:
+    where p - ε/K cancels, an ulp of p is large next to the result) and is then rounded once
+    to the dtype: at most one rounding step apart beyond that."""
+    finfo = torch.finfo(want.dtype)
+    g, w = got.cpu().double(), want.double()
+    allowed = finfo.eps * torch.maximum(g.abs(), w.abs()) + rtol32 * w.abs().max() + finfo.smallest_normal * finfo.eps
+    over = (g - w).abs() > allowed
+    assert not over.any(), (f"{msg}: {int(over.sum())} values more than one rounding apart, e.g. got "
+                            f"{g[over][0].item()!r}, want {w[over][0].item()!r}")
+
+
+# (rank, tp, cols, vocab_size (0: every column real), label smoothing, elements off 16-byte
+# alignment): this rank's shard is [rank · cols, (rank + 1) · cols), its columns at or past
+# vocab_size are padding.
+CE_BWD_CASES = [
+    (0, 1, 1000, 0, 0.0, 0),  # one shard, 16-byte packs
+    (1, 2, 1024, 2000, 0.1, 0),  # shard [1024, 2048): its last 48 columns padded
+    (2, 4, 37, 100, 0.1, 0),  # a row length of no pack width: the scalar path
+    (3, 4, 64, 150, 0.1, 0),  # a shard of padding only
+    (3, 4, 12608, 50304, 0.1, 0),  # GPT's vocabulary at TP 4: several column chunks per row, 128 padded
+    (1, 2, 48, 90, 0.05, 1),  # logits one element off 16-byte alignment: narrower packs
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: the fused CUDA cross-entropy backward against the CPU backward skipped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CE_BWD_CASES, ids=lambda c: "rank{}of{}-cols{}-vocab{}-eps{}-off{}".format(*c))
+def test_cuda_cross_entropy_backward_matches_cpu(dtype, case):
+    """The fused CUDA backward (kernels::cross_entropy_backward_cuda) against the CPU
+    backward's ATen chain, through the loss's backward operator: fp32 to 1e-6 (the same
+    fp32 arithmetic, op by op; only exp differs by an ulp or two), 16-bit to that and one rounding;
+    padded columns and ignored rows exactly 0; targets in this shard, in other shards and
+    ignore_index; the logits left as they were."""
+    rank, tp, cols, vocab, smoothing, offset = case
+    group = _fake_tp_group(rank, tp)
+    start = rank * cols
+    real = vocab if vocab > 0 else cols * tp
+    real_cols = max(0, min(real - start, cols))
+    gen = torch.Generator().manual_seed(cols + rank)
+    shape = (4, 33)
+    logits = (torch.randn(*shape, cols, generator=gen) * 3).to(dtype)
+    target = torch.randint(0, real, shape, generator=gen)  # mostly in other shards
+    if real_cols > 0:  # about half in this one
+        here = start + torch.randint(0, real_cols, shape, generator=gen)
+        target = torch.where(torch.rand(shape, generator=gen) < 0.5, here, target)
+    target[0, 1] = target[3, 30] = -100
+    lse = torch.logsumexp(logits.float(), -1) + torch.rand(shape, generator=gen)  # other shards add to the sum
+    grad_loss = torch.randn(shape, generator=gen)
+    bwd = ops._vocab_parallel_cross_entropy_bwd
+    want = bwd(grad_loss, logits, target, lse, group, smoothing, -100, vocab)
+
+    storage = torch.empty(logits.numel() + offset, dtype=dtype, device="cuda")
+    logits_gpu = storage[offset:].view(logits.shape).copy_(logits)
+    got = bwd(grad_loss.cuda(), logits_gpu, target.cuda(), lse.cuda(), group, smoothing, -100, vocab)
+    assert got.dtype == dtype and got.shape == logits.shape and got.is_cuda
+    assert torch.equal(logits_gpu.cpu(), logits), "the logits were overwritten"
+    name = f"{dtype}, {case}"
+    if dtype == torch.float32:
+        assert_close(got.cpu(), want, 1e-6, msg=name)
+    else:
+        _assert_one_rounding(got, want, name)
+    got = got.cpu()
+    assert (got[..., real_cols:] == 0).all() and (want[..., real_cols:] == 0).all(), f"{name}: padded columns"
+    assert (got[0, 1] == 0).all() and (got[3, 30] == 0).all(), f"{name}: ignored rows"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: the CUDA cross-entropy backward through autograd skipped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_cross_entropy_autograd_matches_cpu(dtype):
+    """The loss's autograd on CUDA (fused backward, grad of a mean: an expanded grad_loss)
+    against the CPU, with label smoothing and ignored tokens. The forwards' log-sum-exps
+    differ in their last bits (CUDA's __expf, another summation order): 1e-5."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(6, 5, 256, generator=gen) * 2).to(dtype)
+    target = torch.randint(0, 256, (6, 5), generator=gen)
+    target[2] = -100
+    grads = []
+    for device in ("cpu", "cuda"):
+        x = logits.to(device).requires_grad_(True)
+        ops.vocab_parallel_cross_entropy(x, target.to(device), "", 0.1, -100).mean().backward()
+        grads.append(x.grad.cpu())
+    if dtype == torch.float32:
+        assert_close(grads[1], grads[0], RTOL[dtype])
+    else:
+        _assert_one_rounding(grads[1], grads[0], str(dtype), rtol32=RTOL[torch.float32])
+    assert (grads[1][2] == 0).all()
+
+
 def test_extreme_inputs_match_reference():
     """The CPU kernels' vectorised exp (cpu_vec.cpp) at the edges: saturation, underflow, -inf."""
     x = torch.tensor([-200.0, -90.0, -87.5, -30.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 30.0, 87.5, 90.0, 200.0])
