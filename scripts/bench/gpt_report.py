@@ -44,21 +44,27 @@ def derive(rows: dict, matmul_tflops: float, datasheet: float, device, dtype: st
     return same_start
 
 
-def read_pretrain(path):
-    """gpu_pretrain.py's GPT 1.3B row (the trainer's own log), or (None, why)."""
+PRETRAIN_KEYS = {"gpt": ("gpt_1p3b", "1.3B"), "llama": ("llama_1b", "llama-1B")}  # gpu_pretrain.py's rows
+
+
+def read_pretrain(path, arch="gpt"):
+    """gpu_pretrain.py's row of `arch` (the trainer's own log), or (None, why)."""
+    key, name = PRETRAIN_KEYS[arch]
     if not path:
         return None, "no --pretrain-json given"
     p = Path(path)
     if not p.exists():
         return None, f"{p.name} not found (the pretrain step did not write it)"
     try:
-        g = json.loads(p.read_text()).get("gpt_1p3b", {})
+        g = json.loads(p.read_text()).get(key)
     except (OSError, ValueError) as e:
         return None, f"{p.name} unreadable: {e}"
+    if g is None:
+        return None, f"{p.name} has no {key} row"
     if g.get("skipped"):
-        return None, f"gpt_pretrain 1.3B skipped: {g['skipped']}"
+        return None, f"gpt_pretrain {name} skipped: {g['skipped']}"
     if not g.get("ok"):
-        return None, f"gpt_pretrain 1.3B failed: {str(g.get('error', ''))[-160:]}"
+        return None, f"gpt_pretrain {name} failed: {str(g.get('error', ''))[-160:]}"
     return g, None
 
 
@@ -71,7 +77,6 @@ def goals(rows: dict, chosen, sizes: dict, dtype: str, device: str, pretrain_jso
            "entries": {}}
     if device != "cuda":
         out["note"] = "CPU fallback: computed to test the code; the numbers are not GPU numbers"
-    pretrain, why_not = read_pretrain(pretrain_json)
     firsts = {}
     for s in chosen:
         firsts.setdefault(sizes[s]["arch"], s)
@@ -82,14 +87,14 @@ def goals(rows: dict, chosen, sizes: dict, dtype: str, device: str, pretrain_jso
         eager, comp = rows.get((size, "eager"), {}), rows.get((size, "compile"), {})
         paths = {"megatorch_python": rows.get((size, "megatorch"), {})}
         missing = {}
-        if arch == "gpt" and size == MFU_GOAL_SIZE and pretrain is not None:
+        pretrain, why_not = read_pretrain(pretrain_json, arch) if arch in PRETRAIN_KEYS else (None, None)
+        if pretrain is not None and size == PRETRAIN_KEYS[arch][1]:
             paths["gpt_pretrain"] = {"status": "ok", "tokens_per_s": pretrain["tokens_per_s"],
                                      "mfu_vs_datasheet": pretrain.get("mfu_datasheet"),
                                      "micro_batch": pretrain.get("micro_batch")}
         else:
             paths["gpt_pretrain"] = {}
-            missing["gpt_pretrain"] = (why_not if arch == "gpt" and size == MFU_GOAL_SIZE else
-                                       f"gpu_pretrain.py measures GPT {MFU_GOAL_SIZE} only")
+            missing["gpt_pretrain"] = why_not or f"gpu_pretrain.py measures {PRETRAIN_KEYS.get(arch, ('', '?'))[1]} only"
         for path, r in paths.items():
             ok = r.get("status") == "ok"
             vals = {"mfu_datasheet": r.get("mfu_vs_datasheet") if ok else None,
@@ -101,7 +106,8 @@ def goals(rows: dict, chosen, sizes: dict, dtype: str, device: str, pretrain_jso
                      "reached": {k: (None if vals[k] is None else vals[k] >= t) for k, t in targets.items()}}
             if path == "gpt_pretrain" and ok:
                 entry["micro_batch"] = r.get("micro_batch")
-                entry["source"] = "pretrain.json gpt_1p3b (gpt_pretrain's own log), ratios against this run's rows"
+                entry["source"] = (f"pretrain.json {PRETRAIN_KEYS[arch][0]} (gpt_pretrain's own log), ratios against "
+                                   "this run's rows")
             if not ok:
                 entry["missing"] = missing.get(path) or f"the {size} megatorch row: {r.get('status', 'not run')}"
             else:

@@ -10,12 +10,14 @@
    shared_gpu_dualpipev: the same under --schedule zb-h1, zb-v and dualpipev (the split
    backward and the V's in-place turn on CUDA; the V schedules run on Gloo only) against
    the CPU's 1F1B.
-3. gpt_1p3b: one GPU, bf16, GPT ~1.3B (h 2048, 24 layers, 16 heads, seq 2048, vocabulary
-   50304), the micro-batch halved from --micro-batch until it fits: steady-state
-   tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure.
-4. host_sync: the tiny GPT on one GPU, fp32 and bf16, with --sync-debug-iters 4-6: the
+3. host_sync: the tiny GPT on one GPU, fp32 and bf16, with --sync-debug-iters 4-6: the
    steady-state step makes no device-to-host synchronisation (CUDA's sync debug mode
    "error" around steps 4-6; a synchronisation fails the run and its message is kept).
+4. gpt_1p3b: one GPU, bf16, GPT ~1.3B (h 2048, 24 layers, 16 heads, seq 2048, vocabulary
+   50304), the micro-batch halved from --micro-batch until it fits: steady-state
+   tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure. llama_1b: the
+   same for gpu_gpt.py's llama-1B (Llama 3.2 1B's layers, GQA 4:1, untied, vocabulary
+   32000), so the goal has gpt_pretrain's row for both models.
 5. cuda_graph_350m: GPT ~350M (h 1024, 24 layers) bf16 at micro-batch 1, without and with
    --cuda-graph (no dropout in either): host and wall milliseconds per step and the
    speed-up, i.e. whether the step is launch-bound there and what graph replay gains.
@@ -27,7 +29,7 @@
 With --gpt-json (scripts/bench/gpu_gpt.py's output of the same run) the markdown table
 puts the PyTorch eager and torch.compile rows of the same model next to gpt_pretrain's.
 Without a GPU it says so: the parity check runs CPU against CPU (it exercises the harness,
-not a GPU), the other two are skipped with that reason. Exit status 1 if a check failed.
+not a GPU), the others are skipped with that reason. Exit status 1 if a check failed.
 """
 import argparse
 import json
@@ -53,9 +55,21 @@ SHARED = {"shared_gpu": "1f1b", "shared_gpu_zb_h1": "zb-h1", "shared_gpu_zb_v": 
 GPT_350M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
             "--vocab-size", "50304", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
             "--clip-grad", "1.0", "--seed", "1234"]
+# gpu_gpt.py's llama-1B: Llama 3.2 1B's layers (GQA 4:1, SwiGLU 8192, RMSNorm, RoPE, no
+# biases), an untied output layer and Llama 2's 32000-token vocabulary.
+LLAMA_1B = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
+            "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--swiglu", "--normalization", "RMSNorm",
+            "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+            "--seq-length", "2048", "--vocab-size", "32000", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--clip-grad", "1.0",
+            "--seed", "1234"]
 GPT_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
             "--vocab-size", "50304", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-iters", "0",
             "--clip-grad", "1.0", "--seed", "1234"]
+
+
+# Result key -> the table's name for it.
+MEASURED = {"gpt_1p3b": "GPT 1.3B", "llama_1b": "Llama 1B"}
 
 
 def free_port():
@@ -123,15 +137,15 @@ def check_shared_gpu(binary, timeout, schedule="1f1b"):
             "log_tail": "" if code_d == code_c == 0 else tail_d + tail_c}
 
 
-def measure_1p3b(binary, micro_batch, iters, deadline):
-    """bf16 1.3B on one GPU: halves the micro-batch on out-of-memory; steady state = the
-    iterations after the first three (allocator warm-up, first-touch)."""
+def measure_model(binary, model, micro_batch, iters, deadline):
+    """bf16 `model` (flags) on one GPU: halves the micro-batch on out-of-memory; steady state =
+    the iterations after the first three (allocator warm-up, first-touch)."""
     mbs, tried = micro_batch, []
     while mbs >= 1:
         left = deadline - time.monotonic()
         if left < 60:
             return {"ok": False, "tried": tried, "error": "out of time budget before a run fitted"}
-        args = [*GPT_1P3B, "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs),
+        args = [*model, "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs),
                 "--train-iters", str(iters), "--device", "cuda"]
         recs, code, tail = run_pretrain(binary, 1, args, timeout=int(left))
         tried.append({"micro_batch": mbs, "exit": code})
@@ -205,16 +219,17 @@ def markdown(result, gpt_rows):
             d = c["max_rel_diff"]
             lines.append(f"| {key} | {'pass' if c['ok'] else 'FAIL'} | {c['what']}; max relative loss difference "
                          f"{d:.2e} (tolerance {c['rtol']}) |" if d is not None else f"| {key} | FAIL | no losses |")
-    lines += ["", "| GPT 1.3B, bf16, one GPU | micro-batch | tokens/s | TFLOP/s | MFU (989 TFLOP/s) |",
+    lines += ["", "| bf16, one GPU | micro-batch | tokens/s | TFLOP/s | MFU (989 TFLOP/s) |",
               "|---|---|---|---|---|"]
-    g = result["gpt_1p3b"]
-    if g.get("skipped"):
-        lines.append(f"| gpt_pretrain | skipped: {g['skipped']} | | | |")
-    elif g["ok"]:
-        lines.append(f"| gpt_pretrain (trainer's log) | {g['micro_batch']} | {g['tokens_per_s']:.0f} | "
-                     f"{g['tflops']:.1f} | {100 * g['mfu_datasheet']:.1f}% |")
-    else:
-        lines.append(f"| gpt_pretrain | failed: {str(g.get('error', ''))[-200:]!r} | | | |")
+    for key, name in MEASURED.items():
+        g = result.get(key, {"skipped": "not run"})
+        if g.get("skipped"):
+            lines.append(f"| {name}: gpt_pretrain | skipped: {g['skipped']} | | | |")
+        elif g["ok"]:
+            lines.append(f"| {name}: gpt_pretrain (trainer's log) | {g['micro_batch']} | {g['tokens_per_s']:.0f} | "
+                         f"{g['tflops']:.1f} | {100 * g['mfu_datasheet']:.1f}% |")
+        else:
+            lines.append(f"| {name}: gpt_pretrain | failed: {str(g.get('error', ''))[-200:]!r} | | | |")
     h = result.get("host_sync", {"skipped": "not run"})
     if h.get("skipped"):
         lines.insert(2 + len(SHARED) + 1, f"| host_sync | skipped | {h['skipped']} |")
@@ -228,10 +243,10 @@ def markdown(result, gpt_rows):
         if r.get("size") != "1.3B" or r.get("impl") not in names:
             continue
         if r.get("status") == "ok":
-            lines.append(f"| {names[r['impl']]} | {r.get('micro_batch', '')} | {r['tokens_per_s']:.0f} | "
+            lines.append(f"| GPT 1.3B: {names[r['impl']]} | {r.get('micro_batch', '')} | {r['tokens_per_s']:.0f} | "
                          f"{r['tflops']:.1f} | {100 * (r.get('mfu_vs_datasheet') or 0):.1f}% |")
         else:
-            lines.append(f"| {names[r['impl']]} | {r.get('status', 'not run')}: {str(r.get('error', ''))[:80]} | | | |")
+            lines.append(f"| GPT 1.3B: {names[r['impl']]} | {r.get('status', 'not run')}: {str(r.get('error', ''))[:80]} | | | |")
     c = result.get("cuda_graph_350m", {"skipped": "not run"})
     lines += ["", "| GPT 350M, bf16, micro-batch 1 | ms/step | host ms/step | tokens/s |", "|---|---|---|---|"]
     if c.get("skipped"):
@@ -282,14 +297,15 @@ def main():
             print(f"{key}:", json.dumps({k: v for k, v in result[key].items() if k != "losses"}), flush=True)
         result["host_sync"] = check_host_sync(binary, timeout=300)
         print("host_sync:", json.dumps(result["host_sync"])[:2000], flush=True)
-        result["gpt_1p3b"] = measure_1p3b(binary, a.micro_batch, a.iters, deadline)
-        print("gpt_1p3b:", json.dumps(result["gpt_1p3b"])[:2000], flush=True)
+        for key, model in (("gpt_1p3b", GPT_1P3B), ("llama_1b", LLAMA_1B)):
+            result[key] = measure_model(binary, model, a.micro_batch, a.iters, deadline)
+            print(f"{key}:", json.dumps(result[key])[:2000], flush=True)
         result["cuda_graph_350m"] = measure_cuda_graph(binary, deadline)
         print("cuda_graph_350m:", json.dumps(result["cuda_graph_350m"])[:2000], flush=True)
     else:
-        for key in (*SHARED, "host_sync", "gpt_1p3b", "cuda_graph_350m"):
+        for key in (*SHARED, "host_sync", *MEASURED, "cuda_graph_350m"):
             result[key] = {"skipped": "no GPU", "ok": True}
-    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "host_sync", "gpt_1p3b", "cuda_graph_350m"))
+    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "host_sync", *MEASURED, "cuda_graph_350m"))
     out.write_text(json.dumps(result, indent=2))
     table = markdown(result, gpt_rows)
     out.with_suffix(".md").write_text(table)
