@@ -20,6 +20,7 @@ from machine_load import OtherLoad, wait_until_idle
 from megatorch_run import display, env, error_summary, run_gpt_pretrain, run_pipeline_timeline, torchrun
 
 HERE = Path(__file__).resolve().parent
+MATMUL_RATE = "fp32 matmul rate (one thread)"  # the single part's rate record, not a system
 PY = sys.executable
 
 # (configuration, megatorch's layout, peers: (system, label)). The layout also tells the
@@ -148,6 +149,10 @@ class Suite:
                 label = {"libtorch": "plain LibTorch (megatorch.cpp GPTModel + torch AdamW)",
                          "eager": "PyTorch eager (gpt.py + torch AdamW)"}[system]
                 self.record("single", "1 rank", label, lambda: self._launch(cmd, out, out.stem), r)
+            # The machine's fp32 matmul rate in the same rounds: the step as a fraction of it.
+            out = self.out / f"single_matmul_rate_r{r + 1}.json"
+            cmd = [PY, str(HERE / "matmul_rate.py"), "--out", str(out)]
+            self.record("single", "1 rank", MATMUL_RATE, lambda: self._launch(cmd, out, out.stem), r)
 
     def scaling(self, with_peer: bool):
         for changes in SCALING:
