@@ -108,7 +108,8 @@ step_build() {
 step_gpu_tests() {
   local status=0
   (cd "$MT_ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$RESULTS/gpu_tests.xml" \
-     tests/python/unit/test_kernels.py tests/python/unit/test_kernels_adamw.py tests/python/unit/test_moe_model.py) || status=$?
+     tests/python/unit/test_kernels.py tests/python/unit/test_kernels_adamw.py tests/python/unit/test_moe_model.py \
+     tests/python/unit/test_cuda_graph.py) || status=$?
   "$PY" - "$RESULTS/gpu_tests.xml" "$RESULTS/gpu_tests.json" <<'EOF' || true
 import json, sys
 import xml.etree.ElementTree as ET

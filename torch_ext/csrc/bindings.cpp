@@ -317,6 +317,10 @@ PYBIND11_MODULE(_cpp, m) {
       .def("allreduce_sequence_parallel_grads", &GPTModelImpl::allreduce_sequence_parallel_grads, release_gil())
       .def("sequence_parallel_parameters", &GPTModelImpl::sequence_parallel_parameters)
       .def("output_weight", &GPTModelImpl::output_weight)
+      .def("cuda_graph_captures", &GPTModelImpl::cuda_graph_captures,
+           "with config.cuda_graph: forward/backward graph pairs captured so far")
+      .def("cuda_graph_fallback_reason", &GPTModelImpl::cuda_graph_fallback_reason,
+           "with config.cuda_graph: why the layers ran eagerly ('' while they were captured)")
       .def_property_readonly("config", [](const GPTModelImpl& self) { return self.options.config(); })
       .def_property_readonly("group", [](const GPTModelImpl& self) { return self.options.group(); })
       .def_property_readonly("layer_range", [](const GPTModelImpl& self) {
