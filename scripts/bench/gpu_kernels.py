@@ -160,7 +160,9 @@ def main():
     else:
         info.update(gpu=False, note="CPU dry run of the harness (--device cpu): numbers are not GPU results")
     sizes = (dict(tokens=256, hidden=64, heads=2, sk=64, vocab_shard=512, adam_numel=1 << 14) if args.small else
-             dict(tokens=16384, hidden=8192, heads=16, sk=2048, vocab_shard=32768, adam_numel=1 << 28))
+             # GPT 1.3B's shapes (micro-batch 8 x sequence 2048 tokens, hidden 2048, 16 heads of 128,
+             # vocabulary 50304 on one GPU); SwiGLU's [tokens, 2 x 8192] is Llama-1B's MLP.
+             dict(tokens=16384, hidden=2048, heads=16, sk=2048, vocab_shard=50304, adam_numel=1 << 28))
     info["sizes"] = sizes
     bench = timer(device)
     copy_gbps, copy_ms = copy_bandwidth(device, 1 << 20 if args.small else 1 << 31, bench, args.iters)

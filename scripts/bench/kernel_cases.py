@@ -93,29 +93,29 @@ def make_cases(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads:
     def bias_gelu():
         x, b = rand(tokens, 4 * hidden), rand(4 * hidden)
         return Case("bias_gelu", f"[{tokens}, {4 * hidden}]", dtype, lambda: ops.bias_gelu(x, b),
-                    lambda: F.gelu(x + b, approximate="tanh"), 2 * _nbytes(x), "≥80% copy, ≥1.5× eager")
+                    lambda: F.gelu(x + b, approximate="tanh"), 2 * _nbytes(x), "≥85% copy, ≥1.5× eager")
 
     def bias_dropout_add():
         x, b, r = rand(tokens, hidden), rand(hidden), rand(tokens, hidden)
         return Case("bias_dropout_add", f"[{tokens}, {hidden}] p=0.1", dtype,
                     lambda: ops.bias_dropout_add(x, b, r, 0.1, True), lambda: r + F.dropout(x + b, 0.1, True),
-                    3 * _nbytes(x) + x.numel(), "≥80% copy, ≥1.5× eager", compare=False)
+                    3 * _nbytes(x) + x.numel(), "≥85% copy, ≥1.5× eager", compare=False)
 
     def layer_norm():
         x, w, b = rand(tokens, hidden), rand(hidden), rand(hidden)
         return Case("layer_norm", f"[{tokens}, {hidden}]", dtype, lambda: ops.layer_norm(x, w, b, 1e-5),
-                    lambda: F.layer_norm(x, (hidden,), w, b, 1e-5), 2 * _nbytes(x), "≥80% copy, ≥1.5× eager")
+                    lambda: F.layer_norm(x, (hidden,), w, b, 1e-5), 2 * _nbytes(x), "≥85% copy, ≥1.5× eager")
 
     def rms_norm():
         x, w = rand(tokens, hidden), rand(hidden)
         return Case("rms_norm", f"[{tokens}, {hidden}]", dtype, lambda: ops.rms_norm(x, w, 1e-6),
-                    lambda: rms_norm_reference(x, w, 1e-6), 2 * _nbytes(x), "≥80% copy, ≥1.5× eager")
+                    lambda: rms_norm_reference(x, w, 1e-6), 2 * _nbytes(x), "≥85% copy, ≥1.5× eager")
 
     def swiglu():
         x = rand(tokens, 2 * 4 * hidden)
         return Case("swiglu", f"[{tokens}, {8 * hidden}]", dtype, lambda: ops.swiglu(x),
                     lambda: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1], _nbytes(x) * 3 // 2,
-                    "≥80% copy, ≥1.5× eager")
+                    "≥85% copy, ≥1.5× eager")
 
     def rotary_embedding():
         d, b = 128, 4
@@ -124,7 +124,7 @@ def make_cases(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads:
         angles = torch.arange(s, dtype=torch.float32)[:, None] * torch.rand(d // 2, generator=g)
         freqs = angles.repeat(1, 2).view(s, 1, 1, d).to(device)
         return Case("rotary_embedding", f"[{s}, {b}, {nh}, {d}]", dtype, lambda: ops.rotary_embedding(x, freqs),
-                    lambda: rope_reference(x, freqs), 2 * _nbytes(x), "≥80% copy, ≥1.5× eager")
+                    lambda: rope_reference(x, freqs), 2 * _nbytes(x), "≥85% copy, ≥1.5× eager")
 
     def scaled_masked_softmax():
         bs = max(1, tokens // sk)
@@ -164,7 +164,7 @@ def make_cases(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads:
         per = 4 * 3 * 2 + grads[0].element_size() + (model[0].element_size() if model else 0)
         return Case("fused_adamw_", f"{n} × {sizes[0]} fp32, grads {str(dtype).replace('torch.', '')}", dtype,
                     lambda: ops.fused_adamw_(params, grads, m, v, *hp, 10, model),
-                    lambda: adamw_reference_step(p2, grads, m2, v2, *hp, 10), per * sum(sizes), "≥80% copy",
+                    lambda: adamw_reference_step(p2, grads, m2, v2, *hp, 10), per * sum(sizes), "≥85% copy",
                     compare=False)
 
     builders = [bias_gelu, bias_dropout_add, layer_norm, rms_norm, swiglu, rotary_embedding, scaled_masked_softmax,

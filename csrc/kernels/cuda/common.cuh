@@ -136,7 +136,10 @@ __device__ __forceinline__ void load_float(const T* p, float (&f)[N]) {
 #pragma unroll
   for (int k = 0; k < N; k += C) {
     float c[C];
-    unpack_float(*reinterpret_cast<const Pack<T, C>*>(p + k), c);
+    // One vector load into a local first: unpacking through a reference to global memory
+    // lets the compiler split the pack into scalar loads.
+    const Pack<T, C> pack = *reinterpret_cast<const Pack<T, C>*>(p + k);
+    unpack_float(pack, c);
 #pragma unroll
     for (int e = 0; e < C; ++e) f[k + e] = c[e];
   }

@@ -218,6 +218,80 @@ def test_cuda_norms_vector_paths_match_cpu(dtype, cols, weight_fp32):
                          msg=f"{name} grad {which}")
 
 
+def _off_alignment(t):
+    """t's values in a tensor whose data starts one element past a 16-byte boundary: the
+    CUDA SwiGLU and RoPE kernels then take packs of one element (the scalar path)."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return storage[1:].view(t.shape).copy_(t)
+
+
+def _assert_gpu_matches_cpu(got, want, msg):
+    """fp32: 1e-5 of max|want|; 16-bit: that, then at most one rounding to the dtype apart."""
+    if want.dtype == torch.float32:
+        assert_close(got.cpu(), want, RTOL[torch.float32], msg=msg)
+    else:
+        _assert_one_rounding(got, want, msg, rtol32=RTOL[torch.float32])
+
+
+def _swiglu_vector_case(dtype, f, device):
+    """SwiGLU forward and backward on `device` against the CPU kernels; then the same input
+    off 16-byte alignment (one element per pack) must give the same bits as the packs."""
+    gen = torch.Generator().manual_seed(f)
+    rows = 300
+    x = (torch.randn(rows, 2 * f, generator=gen) * 2).to(dtype)
+    g = torch.randn(rows, f, generator=gen).to(dtype)
+    cpu_in, dev_in = x.clone().requires_grad_(True), x.to(device).requires_grad_(True)
+    y_cpu, y_dev = ops.swiglu(cpu_in), ops.swiglu(dev_in)
+    y_cpu.backward(g)
+    y_dev.backward(g.to(device))
+    _assert_gpu_matches_cpu(y_dev, y_cpu, f"swiglu forward, f = {f}")
+    _assert_gpu_matches_cpu(dev_in.grad, cpu_in.grad, f"swiglu grad, f = {f}")
+    x_off = _off_alignment(x.to(device))
+    assert torch.equal(ops.swiglu(x_off), y_dev.detach()), "swiglu: scalar and vector paths differ"
+    assert torch.equal(ops._swiglu_bwd(g.to(device), x_off), dev_in.grad), "swiglu grad: scalar and vector paths differ"
+
+
+def _rope_vector_case(dtype, d, r, device):
+    """RoPE forward and backward (autograd) on `device` against the CPU kernels, random
+    angles (cos/sin of the two halves differ); pass-through channels copied exactly; the
+    input off 16-byte alignment (one element per pack) gives the same bits as the packs."""
+    gen = torch.Generator().manual_seed(d + r)
+    s, b, heads = 48, 2, 5
+    x = torch.randn(s, b, heads, d, generator=gen).to(dtype)
+    g = torch.randn(s, b, heads, d, generator=gen).to(dtype)
+    freqs = torch.rand(s, 1, 1, r, generator=gen) * 2 * math.pi
+    cpu_in, dev_in = x.clone().requires_grad_(True), x.to(device).requires_grad_(True)
+    y_cpu, y_dev = ops.rotary_embedding(cpu_in, freqs), ops.rotary_embedding(dev_in, freqs.to(device))
+    y_cpu.backward(g)
+    y_dev.backward(g.to(device))
+    _assert_gpu_matches_cpu(y_dev, y_cpu, f"rope forward, d = {d}, r = {r}")
+    _assert_gpu_matches_cpu(dev_in.grad, cpu_in.grad, f"rope grad, d = {d}, r = {r}")
+    assert torch.equal(y_dev[..., r:].cpu(), x[..., r:]), "rope: pass-through channels changed"
+    assert torch.equal(dev_in.grad[..., r:].cpu(), g[..., r:]), "rope grad: pass-through channels changed"
+    fwd, bwd = ops._rotary_embedding_fwd, ops._rotary_embedding_bwd
+    assert torch.equal(fwd(_off_alignment(x.to(device)), freqs.to(device)), y_dev.detach()), \
+        "rope: scalar and vector paths differ"
+    assert torch.equal(bwd(_off_alignment(g.to(device)), freqs.to(device)), dev_in.grad), \
+        "rope grad: scalar and vector paths differ"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the SwiGLU vectorised CUDA paths skipped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("f", [64, 1000, 5632])
+def test_cuda_swiglu_vector_paths_match_cpu(dtype, f):
+    """f a multiple of 8: 16-byte packs of gate, up (and grad) per thread."""
+    _swiglu_vector_case(dtype, f, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the RoPE vectorised CUDA paths skipped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,r", [(64, 64), (128, 128), (128, 64), (64, 32)])
+def test_cuda_rope_vector_paths_match_cpu(dtype, d, r):
+    """r/2 and d multiples of 8: a thread rotates a 16-byte pack of the first half with its
+    partner pack of the second half; r < d adds pass-through packs."""
+    _rope_vector_case(dtype, d, r, "cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU dropout statistics skipped")
 def test_cuda_bias_dropout_add_rate_and_generator():
     x = torch.ones(1 << 20, device="cuda")
