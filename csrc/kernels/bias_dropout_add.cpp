@@ -71,8 +71,12 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
                                                  torch::autograd::variable_list grads) {
     const at::Tensor mask = ctx->get_saved_variables()[0];
     const at::Tensor& g = grads[0];
-    // grad of input = g·keep/(1-p): ATen operators, no kernel of its own.
-    const at::Tensor gi = mask.numel() == 0 ? g : g * mask * ctx->saved_data["scale"].toDouble();
+    // grad of input = g·keep/(1-p): ATen operators, no kernel of its own. The scale is the
+    // forward's, rounded to the gradient's dtype (a 0-dim host tensor of it, read as a
+    // scalar even for CUDA gradients), as eager dropout's mask-times-scale is both ways.
+    const at::Tensor gi =
+        mask.numel() == 0 ? g : g * mask * at::scalar_tensor(ctx->saved_data["scale"].toDouble(),
+                                                                     g.options().device(at::kCPU));
     at::Tensor gb;
     if (ctx->saved_data["has_bias"].toBool()) {
       std::vector<int64_t> lead(gi.dim() - 1);

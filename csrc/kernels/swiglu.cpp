@@ -128,8 +128,11 @@ at::Tensor swiglu_forward(const at::Tensor& input) { return run(nullptr, input);
 
 at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& input) {
   check(input);
-  MEGATORCH_CHECK(grad.dim() == input.dim() && grad.size(-1) * 2 == input.size(-1),
-                  "swiglu backward: expected grad [..., f] for input ", input.sizes(), ", got ", grad.sizes());
+  std::vector<int64_t> expected = input.sizes().vec();
+  expected.back() /= 2;
+  MEGATORCH_CHECK(grad.sizes() == c10::IntArrayRef(expected) && grad.scalar_type() == input.scalar_type(),
+                  "swiglu backward: expected grad of shape ", c10::IntArrayRef(expected), " and dtype ",
+                  input.scalar_type(), " for input ", input.sizes(), ", got ", grad.sizes(), " ", grad.scalar_type());
   return run(&grad, input);
 }
 

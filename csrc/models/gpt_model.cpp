@@ -141,8 +141,12 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
     }
     freqs = cp_rope_freqs_;
   } else if (freqs.defined() && tokens != freqs.size(0)) {
-    freqs = tokens < freqs.size(0) ? freqs.narrow(0, 0, tokens)
-                                   : transformer::rope_frequencies(tokens, c.head_dim(), c.rotary_base(), c.device());
+    // A longer sequence grows the table once (each angle depends on its position alone), so
+    // the angles keep one address from call to call, as a captured CUDA graph needs.
+    if (tokens > freqs.size(0)) {
+      rope_freqs_ = transformer::rope_frequencies(tokens, c.head_dim(), c.rotary_base(), c.device());
+    }
+    freqs = tokens < rope_freqs_.size(0) ? rope_freqs_.narrow(0, 0, tokens) : rope_freqs_;
   }
   const auto run_layers = [&](at::Tensor x) {
     for (size_t i = 0; i < layers->size(); ++i) {

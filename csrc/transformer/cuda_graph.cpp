@@ -3,6 +3,7 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include <exception>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -12,6 +13,7 @@
 #ifdef MEGATORCH_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -112,6 +114,25 @@ class ReplayStack : public torch::autograd::Function<ReplayStack> {
   }
 };
 
+// Captures `body` into `graph` (in `pool`); a body that throws has its capture ended before
+// the error goes on, as torch.cuda.graph's __exit__ does, so the stream leaves capture mode
+// and the allocator stops routing allocations to the graph's pool.
+template <typename Body>
+void capture_into(at::cuda::CUDAGraph& graph, c10::MempoolId_t pool, const char* what, const Body& body) {
+  graph.capture_begin(pool);
+  try {
+    body();
+  } catch (const std::exception& e) {
+    try {
+      graph.capture_end();
+    } catch (const std::exception&) {  // the capture was invalidated: ending it reports that again
+    }
+    MEGATORCH_FAIL("cuda graph: capturing the layer stack's ", what, " failed: ", e.what(),
+                   "; run without --cuda-graph (TransformerConfig::cuda_graph) to train these layers eagerly");
+  }
+  graph.capture_end();
+}
+
 }  // namespace
 
 struct LayerStackGraphs::Impl {
@@ -120,7 +141,34 @@ struct LayerStackGraphs::Impl {
   // (shape, dtype, whether the input wants a gradient, the constants' addresses) -> captures
   using Key = std::tuple<std::vector<int64_t>, c10::ScalarType, bool, std::vector<const void*>>;
   std::map<Key, std::vector<std::shared_ptr<Capture>>> captures;
+  std::vector<const void*> param_addresses;  // where the captures read the parameters
   int64_t num_captures = 0, num_replays = 0;
+  // The stream captures run on: one of its own (the pool's streams are shared, e.g. with
+  // NCCL's), made on first use.
+  cudaStream_t stream = nullptr;
+  c10::DeviceIndex stream_device = -1;
+
+  ~Impl() {
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
+    if (!stream) {
+      c10::cuda::CUDAGuard on(device);
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      stream_device = device;
+    }
+    MEGATORCH_CHECK(stream_device == device, "cuda graph: expected the layers on cuda:", stream_device,
+                    " where they were first captured, got cuda:", device, "; keep a model on one GPU");
+    return c10::cuda::getStreamFromExternal(stream, device);
+  }
+
+  std::vector<const void*> current_param_addresses() const {
+    std::vector<const void*> out;
+    out.reserve(params.size());
+    for (const auto& p : params) out.push_back(p.data_ptr());
+    return out;
+  }
 
   std::shared_ptr<Capture> capture(const at::Tensor& input, const std::vector<at::Tensor>& constants,
                                    const Stack& stack) {
@@ -131,7 +179,7 @@ struct LayerStackGraphs::Impl {
     if (input.requires_grad()) wrt.push_back(g->input);
     wrt.insert(wrt.end(), params.begin(), params.end());
     const auto current = c10::cuda::getCurrentCUDAStream(input.device().index());
-    auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, input.device().index());
+    auto side = capture_stream(input.device().index());
     at::cuda::CUDAEvent ready;
     ready.record(current);
     ready.block(side);
@@ -144,16 +192,18 @@ struct LayerStackGraphs::Impl {
         torch::autograd::grad({out}, wrt, {at::ones_like(out)}, /*retain_graph=*/false, /*create_graph=*/false,
                               /*allow_unused=*/true);
       }
-      side.synchronize();
-      g->forward.capture_begin();
-      g->output = stack(g->input);
-      g->forward.capture_end();
-      g->grad_output = at::empty_like(g->output);
+      side.synchronize();  // as torch.cuda.graph: nothing of the warm-up still queued
+      capture_into(g->forward, {0, 0}, "forward", [&] { g->output = stack(g->input); });
+      {
+        // Written by every replay on the caller's stream: allocated there.
+        c10::cuda::CUDAStreamGuard on_current(current);
+        g->grad_output = at::empty_like(g->output);
+      }
       // The backward shares the forward's memory pool: it reads the activations there.
-      g->backward.capture_begin(g->forward.pool());
-      g->grads = torch::autograd::grad({g->output}, wrt, {g->grad_output}, /*retain_graph=*/false,
-                                       /*create_graph=*/false, /*allow_unused=*/true);
-      g->backward.capture_end();
+      capture_into(g->backward, g->forward.pool(), "backward", [&] {
+        g->grads = torch::autograd::grad({g->output}, wrt, {g->grad_output}, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
+      });
     }
     at::cuda::CUDAEvent captured;
     captured.record(side);
@@ -175,6 +225,20 @@ at::Tensor LayerStackGraphs::run(const at::Tensor& input, const std::vector<at::
   MEGATORCH_CHECK(input.is_cuda() && torch::GradMode::is_enabled(), "cuda graph: expected a CUDA input with grad "
                   "mode on, got ", input.device(), " with grad mode ", torch::GradMode::is_enabled() ? "on" : "off",
                   "; run the layers eagerly there");
+  // The graphs read the parameters where they were at capture: if they have moved since
+  // (Module::to, a gradient buffer taking them over), every capture is stale.
+  std::vector<const void*> param_addresses = impl_->current_param_addresses();
+  if (param_addresses != impl_->param_addresses) {
+    for (const auto& [key, list] : impl_->captures) {
+      for (const auto& c : list) {
+        MEGATORCH_CHECK(!c->busy, "cuda graph: expected the parameters where the captured layers read them while "
+                        "a micro-batch is between its forward and backward, got parameters moved to new memory; "
+                        "move or re-wrap a model's parameters only between steps");
+      }
+    }
+    impl_->captures.clear();  // captured again on use, reading the parameters where they are now
+    impl_->param_addresses = std::move(param_addresses);
+  }
   std::vector<const void*> addresses;
   for (const auto& t : constants) addresses.push_back(t.defined() ? t.data_ptr() : nullptr);
   Impl::Key key{input.sizes().vec(), input.scalar_type(), input.requires_grad(), addresses};
