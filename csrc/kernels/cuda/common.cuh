@@ -201,4 +201,13 @@ inline int64_t balanced_blocks(int64_t groups, int64_t max_blocks) {
   return ceil_div(groups, iters);
 }
 
+// Grid size for a grid-stride `Kernel` at `threads` per block over `groups` work groups:
+// one wave of the blocks every SM holds at once, evened out (balanced_blocks). The
+// occupancy is looked up once per kernel (`threads` must be the same at every call).
+template <auto Kernel>
+int64_t one_wave_blocks(int64_t groups, int threads) {
+  static const int per_sm = resident_blocks_per_sm(Kernel, threads, 0);
+  return balanced_blocks(groups, static_cast<int64_t>(device_sm_count()) * per_sm);
+}
+
 }  // namespace megatorch::kernels::cuda

@@ -94,13 +94,9 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams p) 
 
 template <typename T, int V, bool kBackward>
 void launch_width(const RotaryParams& p, cudaStream_t stream) {
-  const auto kernel = rotary_kernel<T, V, kBackward>;
   const int64_t units = p.s * p.bh * (p.r / 2 / V + (p.d - p.r) / V);
-  // Blocks per SM looked up once per kernel (it only sizes the grid).
-  static const int per_sm = resident_blocks_per_sm(kernel, kThreads, 0);
-  const int64_t resident = static_cast<int64_t>(device_sm_count()) * per_sm;
-  const int64_t blocks = balanced_blocks(ceil_div(units, kThreads), resident);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  const int64_t blocks = one_wave_blocks<rotary_kernel<T, V, kBackward>>(ceil_div(units, kThreads), kThreads);
+  rotary_kernel<T, V, kBackward><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
 }
 
 // The widest pack of W elements (W a power of two <= 16 bytes) that h, d and every pointer
