@@ -56,30 +56,54 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
   return at::linear(input, weight, bias);
 }
 
-at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& grad2d, const at::Tensor& x2d) {
+namespace {
+
+// The main grad a weight gradient goes into, where this backward accumulates into the
+// weight's gradient and one is registered; else nullopt (autograd keeps the gradient).
+std::optional<optim::MainGrad> accumulating_main_grad(const at::Tensor& weight) {
   const bool row_major = weight.stride(1) == 1 && weight.stride(0) == weight.size(1);
   // Under create_graph the gradient must stay a differentiable value: no fusion.
-  if (row_major && !at::GradMode::is_enabled()) {
-    // The registry first: without fusion it is empty and answers without a lookup.
-    const auto mg = optim::find_main_grad(weight);
-    if (mg && optim::backward_accumulates_into(weight)) {
-      at::Tensor buffer = mg->sink->main_grad(mg->index);
-      if (buffer.scalar_type() == grad2d.scalar_type()) {
-        buffer.addmm_(grad2d.t(), x2d);
-      } else if (buffer.is_cuda()) {
-        // 16-bit operands into the fp32 buffer: cuBLAS accumulates in fp32 and adds in place.
-        at::addmm_out(buffer, buffer, grad2d.t(), x2d, buffer.scalar_type());
-      } else {
-        // No mixed-dtype GEMM on this device: the add stays a separate pass.
-        buffer.add_(grad2d.t().mm(x2d));
-      }
-      mg->sink->mark_added(mg->index);
-      // AccumulateGrad then stores the placeholder rather than adding it into the buffer.
-      weight.mutable_grad() = at::Tensor();
-      return at::empty_like(weight, at::MemoryFormat::Contiguous);
+  if (!row_major || at::GradMode::is_enabled()) return std::nullopt;
+  // The registry first: without fusion it is empty and answers without a lookup.
+  auto mg = optim::find_main_grad(weight);
+  if (!mg || !optim::backward_accumulates_into(weight)) return std::nullopt;
+  return mg;
+}
+
+// What AccumulateGrad is handed once the gradient is in the main grad: a placeholder it
+// stores (never read) instead of adding it into the buffer.
+at::Tensor delivered(const at::Tensor& weight, const optim::MainGrad& mg) {
+  mg.sink->mark_added(mg.index);
+  weight.mutable_grad() = at::Tensor();
+  return at::empty_like(weight, at::MemoryFormat::Contiguous);
+}
+
+}  // namespace
+
+at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& grad2d, const at::Tensor& x2d) {
+  if (const auto mg = accumulating_main_grad(weight)) {
+    at::Tensor buffer = mg->sink->main_grad(mg->index);
+    if (buffer.scalar_type() == grad2d.scalar_type()) {
+      buffer.addmm_(grad2d.t(), x2d);
+    } else if (buffer.is_cuda()) {
+      // 16-bit operands into the fp32 buffer: cuBLAS accumulates in fp32 and adds in place.
+      at::addmm_out(buffer, buffer, grad2d.t(), x2d, buffer.scalar_type());
+    } else {
+      // No mixed-dtype GEMM on this device: the add stays a separate pass.
+      buffer.add_(grad2d.t().mm(x2d));
     }
+    return delivered(weight, *mg);
   }
+  const bool row_major = weight.stride(1) == 1 && weight.stride(0) == weight.size(1);
   return row_major ? grad2d.t().mm(x2d) : x2d.t().mm(grad2d).t();
+}
+
+at::Tensor add_weight_grad(const at::Tensor& weight, const at::Tensor& grad_weight) {
+  if (const auto mg = accumulating_main_grad(weight)) {
+    mg->sink->main_grad(mg->index).add_(grad_weight);
+    return delivered(weight, *mg);
+  }
+  return grad_weight.to(weight.scalar_type());
 }
 
 }  // namespace megatorch::tp

@@ -18,4 +18,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // it is added there by the GEMM itself and a placeholder (never read) is returned.
 at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& grad2d, const at::Tensor& x2d);
 
+// A weight gradient computed elsewhere (an FP8 GEMM's, in fp32): added into W's main grad
+// where linear_weight_grad would accumulate there (a placeholder is returned), else
+// returned in W's dtype for autograd.
+at::Tensor add_weight_grad(const at::Tensor& weight, const at::Tensor& grad_weight);
+
 }  // namespace megatorch::tp
