@@ -348,6 +348,7 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
   std::vector<ShardedEntry> entries;
   for (const auto& [key, t] : meta.at("tensors").items()) {
     if (!util::starts_with(key, kModelPrefix)) continue;  // optimizer state stays behind
+    if (key.find(".fp8.") != std::string::npos) continue;  // FP8 scaling state: no HF weight
     ShardedEntry e;
     e.key = key;
     e.spec.full_shape = t.at("shape").get<std::vector<int64_t>>();

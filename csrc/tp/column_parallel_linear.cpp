@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "megatorch/check.h"
+#include "megatorch/fp8/linear.h"
 #include "megatorch/tp/fused_linear.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/tp/sequence_parallel_linear.h"
@@ -12,7 +13,8 @@ namespace megatorch::tp {
 using comm::Mapping;
 
 at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                  const std::string& group, bool gather_output, bool sequence_parallel) {
+                                  const std::string& group, bool gather_output, bool sequence_parallel,
+                                  const c10::intrusive_ptr<fp8::LinearScaling>& fp8) {
   MEGATORCH_CHECK(input.size(-1) == weight.size(1), "column_parallel_linear: expected input features ",
                   weight.size(1), " (weight shard [out/tp, in] = ", weight.sizes(), "), got input ", input.sizes());
   // Sequence parallel: one autograd function that keeps the input shard, not the gathered
@@ -21,7 +23,11 @@ at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& wei
   // opcheck, shape-only passes) take the composition of the gather operator and at::linear,
   // which every tracer follows and which computes the same.
   at::Tensor y;
-  if (sequence_parallel && !group.empty() && !is_traced(input, weight, bias)) {
+  if (fp8) {
+    // The gathered input is quantised once and kept in FP8 for the weight gradient.
+    y = fp8::linear(map_region(sequence_parallel ? Mapping::kGatherFromSP : Mapping::kCopyToTP, input, group), weight,
+                    bias, fp8);
+  } else if (sequence_parallel && !group.empty() && !is_traced(input, weight, bias)) {
     y = sequence_parallel_column_linear(input, weight, bias, group);
   } else {
     const at::Tensor x = map_region(sequence_parallel ? Mapping::kGatherFromSP : Mapping::kCopyToTP, input, group);
@@ -48,6 +54,15 @@ void ColumnParallelLinearImpl::reset() {
   weight = register_parameter("weight", at::empty({o.out_features() / tp.size, o.in_features()}, t));
   if (o.bias()) bias = register_parameter("bias", at::empty({o.out_features() / tp.size}, t));
   reset_parameters();
+  set_fp8(o.fp8());
+}
+
+void ColumnParallelLinearImpl::set_fp8(const fp8::Fp8Options& fp8) {
+  options.fp8(fp8);
+  // The input is whole on every TP rank (gathered first under SP); the output gradient is
+  // split along its features over TP.
+  const std::string& seq = options.fp8_sequence_group();
+  build_fp8_scaling(options.init().name(), fp8, weight, options.group(), {seq}, {options.group(), seq});
 }
 
 void ColumnParallelLinearImpl::reset_parameters() {
@@ -71,13 +86,13 @@ void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
   stream << "megatorch::tp::ColumnParallelLinear(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", tp=" << tp.size << ", bias=" << options.bias()
          << ", gather_output=" << options.gather_output() << ", sequence_parallel=" << options.sequence_parallel()
-         << ")";
+         << (fp8_scaling ? ", fp8=" + fp8::describe(options.fp8()) : std::string()) << ")";
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   const bool add_bias = bias.defined() && !options.skip_bias_add();
   return column_parallel_linear(input, weight, add_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt,
-                                options.group(), options.gather_output(), options.sequence_parallel());
+                                options.group(), options.gather_output(), options.sequence_parallel(), fp8_scaling);
 }
 
 }  // namespace megatorch::tp

@@ -147,6 +147,16 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--initial-loss-scale", a.initial_loss_scale);
   app.add_option("--loss-scale-window", a.loss_scale_window);
   app.add_option("--hysteresis", a.hysteresis);
+  app.add_option("--fp8-format", a.fp8_format,
+                 "FP8 GEMMs in the transformer layers: e4m3 (every operand), hybrid (E5M2 output gradients)");
+  app.add_option("--fp8-recipe", a.fp8_recipe, "tensorwise (current scaling) | delayed (amax history; default)");
+  app.add_option("--fp8-amax-history-len", a.fp8_amax_history_len, "delayed: amaxes kept per tensor");
+  app.add_option("--fp8-amax-compute-algo", a.fp8_amax_compute_algo, "delayed: most_recent | max of the history");
+  app.add_option("--fp8-margin", a.fp8_margin, "delayed: scale = fp8_max / amax / 2^margin");
+  app.add_flag("--first-last-layers-bf16", a.first_last_layers_bf16,
+               "keep the first and last layers' GEMMs in bf16 under --fp8-format");
+  app.add_option("--num-layers-at-start-in-bf16", a.num_layers_at_start_in_bf16, "with --first-last-layers-bf16");
+  app.add_option("--num-layers-at-end-in-bf16", a.num_layers_at_end_in_bf16, "with --first-last-layers-bf16");
   // Data
   app.add_option("--data-path", a.data_path, "[weight] prefix [weight prefix ...] of .bin/.idx datasets");
   app.add_option("--split", a.split, "train,valid,test weights");
@@ -369,6 +379,38 @@ void check_each_flag(const TrainArguments& a) {
   data::parse_split(a.split);
 }
 
+// The FP8 flags: a known format and recipe (with the valid lists), a dtype FP8 GEMMs
+// accept, and the bf16 layer counts leaving at least one layer in FP8.
+void validate_fp8_arguments(const TrainArguments& a) {
+  if (a.fp8_format.empty()) return;
+  fp8::parse_format(a.fp8_format);
+  fp8::parse_recipe(a.fp8_recipe);
+  fp8::parse_amax_algo(a.fp8_amax_compute_algo);
+  check_at_least("fp8-amax-history-len", a.fp8_amax_history_len, 1);
+  check_at_least("fp8-margin", a.fp8_margin, 0);
+  MEGATORCH_CHECK(!a.fp16, "gpt_pretrain: --fp8-format with --fp16 is refused: FP8 GEMMs keep their own per-tensor "
+                  "scales, and fp16's dynamic loss scale would rescale the gradients they quantise between steps. "
+                  "Use --bf16 (or fp32 params) with --fp8-format");
+  if (a.first_last_layers_bf16) {
+    check_at_least("num-layers-at-start-in-bf16", a.num_layers_at_start_in_bf16, 0);
+    check_at_least("num-layers-at-end-in-bf16", a.num_layers_at_end_in_bf16, 0);
+    MEGATORCH_CHECK(a.num_layers_at_start_in_bf16 + a.num_layers_at_end_in_bf16 < a.num_layers,
+                    "gpt_pretrain: --num-layers-at-start-in-bf16 ", a.num_layers_at_start_in_bf16,
+                    " + --num-layers-at-end-in-bf16 ", a.num_layers_at_end_in_bf16, " leave none of the ", a.num_layers,
+                    " layers in FP8; lower them or drop --fp8-format");
+  }
+}
+
+fp8::Fp8Options fp8_options(const TrainArguments& a) {
+  if (a.fp8_format.empty()) return {};
+  return fp8::Fp8Options()
+      .format(fp8::parse_format(a.fp8_format))
+      .recipe(fp8::parse_recipe(a.fp8_recipe))
+      .amax_history_len(a.fp8_amax_history_len)
+      .amax_compute_algo(fp8::parse_amax_algo(a.fp8_amax_compute_algo))
+      .margin(a.fp8_margin);
+}
+
 }  // namespace
 
 void validate(TrainArguments& a, int64_t world) {
@@ -395,6 +437,7 @@ void validate(TrainArguments& a, int64_t world) {
   a.data_parallel_size = world / (tp * cp * pp);
   const int64_t dp = a.data_parallel_size;
   MEGATORCH_CHECK(!(a.bf16 && a.fp16), "gpt_pretrain: --bf16 and --fp16 contradict each other; pick one");
+  validate_fp8_arguments(a);
   MEGATORCH_CHECK(!a.sequence_parallel || tp > 1,
                   "gpt_pretrain: --sequence-parallel needs --tensor-model-parallel-size > 1, got ", tp);
   // micro x dp below cannot overflow: dp <= world, and the check keeps the product in range.
@@ -509,6 +552,9 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .moe_token_dispatcher_type(parse_token_dispatcher(a.moe_token_dispatcher_type))
       .moe_grouped_gemm(a.moe_grouped_gemm)
       .cuda_graph(a.cuda_graph)
+      .fp8(fp8_options(a))
+      .num_layers_at_start_in_bf16(a.fp8_format.empty() || !a.first_last_layers_bf16 ? 0 : a.num_layers_at_start_in_bf16)
+      .num_layers_at_end_in_bf16(a.fp8_format.empty() || !a.first_last_layers_bf16 ? 0 : a.num_layers_at_end_in_bf16)
       .params_dtype(a.bf16 ? c10::kBFloat16 : a.fp16 ? c10::kHalf : c10::kFloat)
       .seed(a.seed);
   return c;

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "megatorch/check.h"
+#include "megatorch/tp/fp8_layer.h"
 #include "megatorch/ckpt/checkpoint.h"
 #include "megatorch/ckpt/module_checkpoint.h"
 #include "megatorch/comm/comm_stats.h"
@@ -134,6 +135,10 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
                   "stage (ModuleStageOptions::device)");
   stage_ = std::move(stage);
   const auto& o = options_;
+  if (o.fp8().enabled()) tp::convert_to_fp8(stage_->stage_module(), o.fp8());
+  fp8_recipe_ = tp::fp8_recipe_of(stage_->stage_module());
+  MEGATORCH_CHECK(!o.fp16() || fp8_recipe_ == "none", "TrainingLoop: FP8 layers (", fp8_recipe_, ") with fp16 are "
+                  "refused: fp16's loss scale would rescale the gradients FP8 quantises. Use bf16 or fp32 params");
   if (o.fp16()) {
     scaler_ = std::make_shared<optim::DynamicLossScaler>(optim::LossScalerOptions()
                                                              .initial_scale(o.initial_loss_scale())

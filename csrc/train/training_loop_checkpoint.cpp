@@ -12,6 +12,7 @@
 #include "megatorch/ckpt/module_checkpoint.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/moe/moe_layer.h"
+#include "megatorch/tp/fp8_layer.h"
 #include "megatorch/train/training_loop.h"
 
 namespace megatorch::train {
@@ -75,6 +76,27 @@ std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
       }
     }
   }
+  // FP8 scaling state (amax histories, scales): replicated over TP (reduced amaxes), named
+  // after the layer's weight ("model/layers.3.mlp.fc1.fp8.input.scale").
+  for (const auto& item : stage_->stage_module().named_modules("", /*include_self=*/false)) {
+    auto* layer = dynamic_cast<tp::Fp8Layer*>(item.value().get());
+    if (!layer || !layer->fp8_scaling) continue;
+    const auto own = item.value()->named_parameters(/*recurse=*/false);
+    const at::Tensor* weight = own.find("weight");
+    const auto entry = std::find_if(model.begin(), model.end(),
+                                    [&](const ckpt::ShardedEntry& e) { return weight && e.tensor.is_same(*weight); });
+    MEGATORCH_CHECK(entry != model.end(), "checkpoint: the FP8 layer '", item.key(), "' has no weight entry to name "
+                    "its scaling state after");
+    const std::string prefix = entry->key.substr(0, entry->key.size() - std::string("weight").size()) + "fp8.";
+    for (const auto& [name, t] : layer->fp8_scaling->state()) {
+      ckpt::ShardedEntry e;
+      e.key = prefix + name;
+      e.spec = tp::ShardSpec{t.sizes().vec(), -1, 0, 1, 1};
+      e.tensor = t;
+      e.write = state_->tp_rank() == 0 && dp_rank == 0;
+      out.push_back(std::move(e));
+    }
+  }
   for (auto& e : model) {
     e.write = e.write && (is_expert(e.tensor) ? edp_rank : dp_rank) == 0;
     out.push_back(std::move(e));
@@ -102,7 +124,8 @@ void TrainingLoop::save_checkpoint() {
   st.state = {{"iteration", iteration_},
               {"consumed_samples", iteration_ * global_batch_size()},
               {"optimizer_step", optimizer_->step_count()},
-              {"lr_step", lr_step_}};
+              {"lr_step", lr_step_},
+              {"fp8_recipe", fp8_recipe_}};
   if (scaler_) st.state["loss_scaler"] = scaler_->state_dict();
   // The default generator and the TP tracker's streams (dropout inside TP regions): a
   // resumed run draws the same masks as an uninterrupted one.
@@ -133,7 +156,18 @@ bool TrainingLoop::load_checkpoint() {
   // Megatron's --finetune: the weights only, as if they had been initialised so.
   const bool has_optimizer = saved_optimizer && !o.finetune() && o.load_optimizer();
   const bool load_rng = !o.finetune() && o.load_rng();
+  // FP8 scaling state belongs to its recipe: another recipe (or none) starts its own, and
+  // only as a deliberate --finetune.
+  const std::string saved_recipe = meta.at("state").value("fp8_recipe", std::string("none"));
+  MEGATORCH_CHECK(saved_recipe == fp8_recipe_ || o.finetune(), "checkpoint: ", o.load(), " was trained with FP8 recipe '",
+                  saved_recipe, "' but this run uses '", fp8_recipe_, "'; give the same --fp8-* flags, or --finetune "
+                  "to continue from its weights with fresh FP8 scales");
   auto entries = checkpoint_entries();
+  if (saved_recipe != fp8_recipe_) {
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [](const ckpt::ShardedEntry& e) { return e.key.find(".fp8.") != std::string::npos; }),
+                  entries.end());
+  }
   if (!has_optimizer) {
     entries.erase(std::remove_if(entries.begin(), entries.end(),
                                  [](const ckpt::ShardedEntry& e) { return e.key.rfind("optim/", 0) == 0; }),

@@ -46,6 +46,8 @@ void ParallelAttentionImpl::reset() {
                                                               .bias(c.add_bias_linear() || c.add_qkv_bias())
                                                               .sequence_parallel(c.sequence_parallel())
                                                               .group(options.group())
+                                                              .fp8(c.fp8())
+                                                              .fp8_sequence_group(c.context_parallel_group())
                                                               .init(param_init(c, options.name() + ".qkv"))));
   proj = register_module("proj", tp::RowParallelLinear(tp::RowParallelLinearOptions(c.num_attention_heads() * d,
                                                                                      c.hidden_size())
@@ -53,6 +55,8 @@ void ParallelAttentionImpl::reset() {
                                                            .input_is_parallel(true)
                                                            .sequence_parallel(c.sequence_parallel())
                                                            .group(options.group())
+                                                           .fp8(c.fp8())
+                                                           .fp8_sequence_group(c.context_parallel_group())
                                                            .init(param_init(c, options.name() + ".proj"))));
 }
 
@@ -112,9 +116,7 @@ at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor&
 }
 
 at::Tensor ParallelAttentionImpl::forward_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs) {
-  const auto& o = proj->options;
-  return tp::row_parallel_linear(context(x, rope_freqs), proj->weight, c10::nullopt, o.group(), o.input_is_parallel(),
-                                 o.sequence_parallel());
+  return proj->forward_without_bias(context(x, rope_freqs));
 }
 
 }  // namespace megatorch::transformer

@@ -33,6 +33,10 @@ void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep, int64_t etp
   MEGATORCH_CHECK(std::isfinite(rotary_base_) && rotary_base_ > 0, "expected a finite rotary_base > 0, got ",
                   rotary_base_);
   MEGATORCH_CHECK(std::isfinite(init_std_) && init_std_ >= 0, "expected a finite init_std >= 0, got ", init_std_);
+  MEGATORCH_CHECK(num_layers_at_start_in_bf16_ >= 0 && num_layers_at_end_in_bf16_ >= 0,
+                  "expected num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 >= 0, got ",
+                  num_layers_at_start_in_bf16_, " and ", num_layers_at_end_in_bf16_);
+  if (fp8_.enabled()) fp8_.validate("TransformerConfig");
   MEGATORCH_CHECK(hidden_size_ % heads == 0, "expected hidden_size (", hidden_size_,
                   ") to be divisible by num_attention_heads (", heads, ")");
   MEGATORCH_CHECK(heads % groups == 0, "expected num_attention_heads (", heads,

@@ -28,12 +28,16 @@ void ParallelMLPImpl::reset() {
                                                             .sequence_parallel(c.sequence_parallel())
                                                             .parts(glu ? 2 : 1)
                                                             .group(options.group())
+                                                            .fp8(c.fp8())
+                                                            .fp8_sequence_group(c.context_parallel_group())
                                                             .init(param_init(c, options.name() + ".fc1"))));
   fc2 = register_module("fc2", tp::RowParallelLinear(tp::RowParallelLinearOptions(c.ffn(), c.hidden_size())
                                                          .bias(c.add_bias_linear())
                                                          .input_is_parallel(true)
                                                          .sequence_parallel(c.sequence_parallel())
                                                          .group(options.group())
+                                                         .fp8(c.fp8())
+                                                         .fp8_sequence_group(c.context_parallel_group())
                                                          .init(param_init(c, options.name() + ".fc2"))));
 }
 
@@ -48,9 +52,7 @@ at::Tensor ParallelMLPImpl::activation(const at::Tensor& x) {
 at::Tensor ParallelMLPImpl::forward(const at::Tensor& x) { return fc2->forward(activation(x)); }
 
 at::Tensor ParallelMLPImpl::forward_without_bias(const at::Tensor& x) {
-  const auto& o = fc2->options;
-  return tp::row_parallel_linear(activation(x), fc2->weight, c10::nullopt, o.group(), o.input_is_parallel(),
-                                 o.sequence_parallel());
+  return fc2->forward_without_bias(activation(x));
 }
 
 }  // namespace megatorch::transformer

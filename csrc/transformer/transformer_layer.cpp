@@ -19,7 +19,9 @@ TransformerLayerImpl::TransformerLayerImpl(TransformerLayerOptions options_) : o
 }
 
 void TransformerLayerImpl::reset() {
-  const auto& c = options.config();
+  // A layer kept in bf16 builds its linear layers without FP8.
+  TransformerConfig c = options.config();
+  if (!c.fp8_layer(options.layer_number())) c.fp8(fp8::Fp8Options());
   const std::string name = "layers." + std::to_string(options.layer_number());
   input_norm = register_module("input_norm", make_norm(c));
   attention = register_module("attention", ParallelAttention(ParallelAttentionOptions(c)

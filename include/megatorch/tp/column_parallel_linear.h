@@ -5,6 +5,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "megatorch/fp8/recipe.h"
+#include "megatorch/tp/fp8_layer.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/tp/parameter_layout.h"
 #include "megatorch/tp/tp_group.h"
@@ -12,9 +14,11 @@
 namespace megatorch::tp {
 
 // input [s, b, in] (or [s/tp, b, in] with sequence_parallel) -> [s, b, out/tp], or
-// [s, b, out] with gather_output. Forward: f (or the SP all-gather), the local matmul.
+// [s, b, out] with gather_output. Forward: f (or the SP all-gather), the local matmul
+// (through FP8 GEMMs when `fp8` is given: fp8/linear.h).
 at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                  const std::string& group, bool gather_output = false, bool sequence_parallel = false);
+                                  const std::string& group, bool gather_output = false, bool sequence_parallel = false,
+                                  const c10::intrusive_ptr<fp8::LinearScaling>& fp8 = {});
 
 struct ColumnParallelLinearOptions {
   ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
@@ -31,9 +35,16 @@ struct ColumnParallelLinearOptions {
   // Fused weights made of equal blocks along the output dim (SwiGLU's [gate; up]: 2).
   TORCH_ARG(int64_t, parts) = 1;
   TORCH_ARG(ParamInitOptions, init) = {};
+  // FP8 GEMMs (fp8/recipe.h); the default format kNone keeps them in the params' dtype.
+  TORCH_ARG(fp8::Fp8Options, fp8) = {};
+  // A group the tokens are split over besides TP (context parallel): FP8 amaxes of the
+  // input and the output gradient are reduced over it too.
+  TORCH_ARG(std::string, fp8_sequence_group) = "";
 };
 
-class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>, public ShardedModule {
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>,
+                                 public ShardedModule,
+                                 public Fp8Layer {
  public:
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features)
       : ColumnParallelLinearImpl(ColumnParallelLinearOptions(in_features, out_features)) {}
@@ -41,6 +52,7 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
 
   void reset() override;
   void reset_parameters();
+  void set_fp8(const fp8::Fp8Options& options) override;
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
   // weight and bias split along dim 0 (output features), block by block over `parts`.

@@ -104,6 +104,15 @@ struct TrainArguments {
   double initial_loss_scale = 4294967296.0;
   int64_t loss_scale_window = 1000;
   int64_t hysteresis = 2;
+  // FP8 GEMMs (fp8/recipe.h); an empty format: off.
+  std::string fp8_format;
+  std::string fp8_recipe = "delayed";
+  int64_t fp8_amax_history_len = 1;
+  std::string fp8_amax_compute_algo = "most_recent";
+  int64_t fp8_margin = 0;
+  bool first_last_layers_bf16 = false;
+  int64_t num_layers_at_start_in_bf16 = 1;
+  int64_t num_layers_at_end_in_bf16 = 1;
   // Data
   std::vector<std::string> data_path;  // Megatron's list: [w1] p1 [w2 p2 ...]
   std::string split = "969,30,1";

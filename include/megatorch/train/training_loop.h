@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "megatorch/ckpt/sharded_entry.h"
+#include "megatorch/fp8/recipe.h"
 #include "megatorch/moe/moe_stats.h"
 #include "megatorch/optim/distributed_optimizer.h"
 #include "megatorch/parallel/parallel_state.h"
@@ -108,6 +109,11 @@ struct TrainingLoopOptions {
   TORCH_ARG(double, initial_loss_scale) = 4294967296.0;
   TORCH_ARG(int64_t, loss_scale_window) = 1000;
   TORCH_ARG(int64_t, hysteresis) = 2;
+  // FP8 GEMMs (fp8/recipe.h) for every ColumnParallelLinear / RowParallelLinear of the
+  // model that has none (tp::convert_to_fp8; format kNone: nothing changes). GPT's layers
+  // take it from TransformerConfig::fp8, which also keeps chosen layers in bf16.
+  // Checkpoints record the model's recipe and its scaling state.
+  TORCH_ARG(fp8::Fp8Options, fp8) = {};
   // Logging: the Megatron-style line every log_interval iterations (a short progress
   // line in between) and, with log_json, one JSON object per iteration.
   TORCH_ARG(int64_t, log_interval) = 1;
@@ -233,6 +239,7 @@ class TrainingLoop {
   std::unique_ptr<optim::DistributedOptimizer> expert_optimizer_;
   ModelParameters expert_params_;
   std::pair<int64_t, int64_t> moe_shape_{0, 0};  // (layers, experts) of the model; (0, 0): dense
+  std::string fp8_recipe_ = "none";  // fp8::describe of the model's FP8 layers: what checkpoints record
   LRSchedule lr_;
   bool optimizer_sums_ties_ = false;
   pipeline::ScheduleKind schedule_kind_ = pipeline::ScheduleKind::kOneFOneB;  // options' schedule, parsed once

@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "megatorch/fp8/recipe.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/transformer/context_parallel.h"
 
@@ -117,6 +118,14 @@ struct TransformerConfig {
   // collectives between layers, dropout, recomputation, ZeRO-3) the layers run eagerly and
   // the model says why once. The same numbers either way.
   TORCH_ARG(bool, cuda_graph) = false;
+  // FP8 GEMMs in the attention and MLP linear layers (fp8/recipe.h; Megatron's --fp8-format
+  // and friends): format kNone keeps them in params_dtype. The first and last layers given
+  // here keep bf16 GEMMs (Megatron's --first-last-layers-bf16 with
+  // --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16): they see the embedding's
+  // and the loss's least regular values.
+  TORCH_ARG(fp8::Fp8Options, fp8) = {};
+  TORCH_ARG(int64_t, num_layers_at_start_in_bf16) = 0;
+  TORCH_ARG(int64_t, num_layers_at_end_in_bf16) = 0;
 
   // TORCH_ARG leaves the struct in `private:`.
  public:
@@ -126,6 +135,10 @@ struct TransformerConfig {
   int64_t moe_ffn() const { return moe_ffn_hidden_size_ > 0 ? moe_ffn_hidden_size_ : ffn(); }
   bool is_moe_layer(int64_t layer) const {
     return num_experts_ > 0 && layer >= moe_first_k_dense_ && layer % moe_layer_freq_ == 0;
+  }
+  // Whether layer `layer` (global, 0-based) runs its GEMMs in FP8.
+  bool fp8_layer(int64_t layer) const {
+    return fp8_.enabled() && layer >= num_layers_at_start_in_bf16_ && layer < num_layers_ - num_layers_at_end_in_bf16_;
   }
   int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
 
