@@ -23,6 +23,7 @@ namespace {
 
 struct Args {
   std::string model, precision = "bf16", calibration, calibrate_out = "megatorch_calibration.json";
+  std::string fp8_format;  // gpt_pretrain's --fp8-format: the layers' GEMMs at the FP8 rate
   bool bf16 = false, fp16 = false, swiglu = false, no_bias = false, untie = false, sp = false, no_sp = false;
   std::string normalization = "LayerNorm", positions = "learned_absolute", recompute, cp_comm = "p2p", schedule;
   std::string backend = "nccl";
@@ -370,6 +371,7 @@ int run_plan(const Args& a, mp::PlanRequest r) {
     j["calibration"] = mp::to_json(r.calibration);
     j["global_batch_size"] = r.global_batch;
     j["precision"] = mp::to_string(r.precision);
+    j["fp8"] = r.fp8;
     j["distributed_backend"] = mp::to_string(r.backend);
     j["considered"] = res.considered;
     j["rejected_out_of_memory"] = res.too_big;
@@ -455,6 +457,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--bf16", a.bf16, "same as --precision bf16");
   app.add_flag("--fp16", a.fp16, "same as --precision fp16");
+  app.add_option("--fp8-format", a.fp8_format, "e4m3 or hybrid: plan FP8 linear GEMMs (at --fp8-peak-tflops)")
+      ->check(CLI::IsMember({"e4m3", "hybrid"}));
+  app.add_option("--fp8-peak-tflops", cl.fp8_peak_tflops, "peak dense FP8 TFLOP/s per GPU; 0: 2 x --peak-tflops")
+      ->capture_default_str();
   app.add_option("--gpus-per-node", cl.gpus_per_node)->capture_default_str();
   app.add_option("--nodes", cl.nodes)->capture_default_str();
   app.add_option("--gpu-memory-gb", cl.gpu_memory_gb)->capture_default_str();
@@ -553,6 +559,7 @@ int main(int argc, char** argv) {
     MEGATORCH_CHECK(!(a.fp16 && a.bf16), "megatorch-plan: --fp16 and --bf16 contradict each other; give one of them "
                     "(or --precision fp16|bf16)");
     r.precision = mp::parse_precision(a.fp16 ? "fp16" : a.bf16 ? "bf16" : a.precision);
+    r.fp8 = !a.fp8_format.empty();
     r.reserved_gb = reserved_gb;
     r.activations.mask_bytes = a.mask_bytes;
     r.activations.megatorch_extras = a.megatorch_activations;

@@ -75,6 +75,12 @@ double inter_bw(const Cluster& c, const Calibration& k) {
   return c.inter_node_gbps * 1e9 / c.gpus_per_node * k.inter_node_efficiency;
 }
 
+// FLOP/s of the linear layers' GEMMs: the FP8 peak with FP8 on, else the 16-bit one.
+double weight_gemm_peak(const Cluster& c, const CostOptions& o) {
+  if (!o.fp8) return c.peak_tflops * 1e12;
+  return (c.fp8_peak_tflops > 0 ? c.fp8_peak_tflops : 2 * c.peak_tflops) * 1e12;
+}
+
 // Seconds of the attention core's forward (Q K^T and P V) on one TP and CP rank.
 double attention_forward_s(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k) {
   const double t = static_cast<double>(l.tp), peak = c.peak_tflops * 1e12;
@@ -94,7 +100,8 @@ struct LayerCost {
 // Per CP rank: a CP rank runs every GEMM and the attention core on its S/c tokens (its
 // queries against all keys), so the FLOPs, the memory-bound bytes and the TP collectives'
 // [S/c, b, h] tensors are the cp = 1 ones / c.
-LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
+LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, const CostOptions& o) {
+  const Precision p = o.precision;
   const double t = static_cast<double>(l.tp), cp = static_cast<double>(l.cp), peak = c.peak_tflops * 1e12;
   const double eff = k.matmul_efficiency_at(static_cast<double>(m.hidden_size) / t);
   const LayerFlops f = layer_forward_flops(m, l.micro_batch);
@@ -108,9 +115,11 @@ LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   const double hbm = c.memory_bandwidth_gbps * 1e9;
   const double A = static_cast<double>(m.num_attention_heads) * m.seq_length * (m.seq_length / l.cp) * l.micro_batch;
   const auto gemm_s = [&](double flops) { return flops / t / cp / (peak * eff); };
+  // FP8: the linear layers' GEMMs at the FP8 rate; the attention core stays 16-bit.
+  const double weights_s = gemm_s(f.weights) * peak / weight_gemm_peak(c, o);
   LayerCost lc;
-  lc.compute_fwd = gemm_s(f.total()) + k.memory_bound_passes * traffic / hbm;
-  lc.weight_grad = gemm_s(f.weights);
+  lc.compute_fwd = weights_s + gemm_s(f.attention + f.experts) + k.memory_bound_passes * traffic / hbm;
+  lc.weight_grad = weights_s;
   lc.selective = gemm_s(f.attention) + k.memory_bound_passes * (2 * paper.activation_bytes + 1) * A / t / hbm;
   const double act = static_cast<double>(l.micro_batch) * (m.seq_length / l.cp) * m.hidden_size * paper.activation_bytes;
   const double bw = l.tp <= c.gpus_per_node ? intra_bw(c, k) : inter_bw(c, k);
@@ -128,8 +137,9 @@ LayerCost layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
 // the memory-bound share over what the MoE layer
 // saves. TP collectives: the attention's, and the shared expert's when there is one; the
 // routed experts need none.
-LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
-  LayerCost lc = layer_cost(m, l, c, k, p);  // the attention core, the CP exchange, one TP collective pair
+LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, const CostOptions& o) {
+  const Precision p = o.precision;
+  LayerCost lc = layer_cost(m, l, c, k, o);  // the attention core, the CP exchange, one TP collective pair
   const double t = static_cast<double>(l.tp), cp = static_cast<double>(l.cp), peak = c.peak_tflops * 1e12;
   const double eff = k.matmul_efficiency_at(static_cast<double>(m.hidden_size) / t);
   const double eff_experts = k.matmul_efficiency_at(static_cast<double>(m.hidden_size));
@@ -143,9 +153,12 @@ LayerCost moe_layer_cost(const ModelSpec& m, const Layout& l, const Cluster& c, 
   const double routed_t = l.sequence_parallel ? t : 1.0;  // the TP ranks that share the routing
   const double router = 2.0 * l.micro_batch * m.seq_length * m.hidden_size * static_cast<double>(m.num_experts);
   const double routed = (router + f.experts * margin) / routed_t / cp / (peak * eff_experts);
-  lc.compute_fwd = (f.weights - router + f.attention) / t / cp / (peak * eff) + routed +
+  // FP8: the dense linear layers' GEMMs at the FP8 rate; the router and the experts'
+  // grouped GEMM stay 16-bit.
+  const double dense_s = (f.weights - router) / t / cp / (weight_gemm_peak(c, o) * eff);
+  lc.compute_fwd = dense_s + f.attention / t / cp / (peak * eff) + routed +
                    k.memory_bound_passes * traffic / (c.memory_bandwidth_gbps * 1e9);
-  lc.weight_grad = (f.weights - router) / t / cp / (peak * eff) + routed;
+  lc.weight_grad = dense_s + routed;
   if (m.moe_shared_expert_intermediate_size == 0) lc.tp_fwd /= 2;
   lc.ep = moe_traffic_per_layer(m, l, c, k, p);
   return lc;
@@ -181,8 +194,8 @@ LayerTimes layer_times(const LayerCost& lc, Recompute r) {
   return lt;
 }
 
-StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, Precision p) {
-  const LayerCost lc = layer_cost(m, l, c, k, p);
+StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k, const CostOptions& o) {
+  const LayerCost lc = layer_cost(m, l, c, k, o);
   // The rank's chunks: vpp, or the V's two (each half a stage's layers).
   const int64_t chunks = model_chunks(l);
   const double layers_per_chunk = static_cast<double>(m.num_layers / (l.pp * chunks));
@@ -199,7 +212,7 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   if (l.pp > 1) {
     // Megatron's scatter-gather: each TP rank sends its 1/t of the [s/c, b, h] activation.
     const double bytes = static_cast<double>(l.micro_batch) * (m.seq_length / l.cp) * m.hidden_size *
-                         activation_dtype_bytes(p) / t;
+                         activation_dtype_bytes(o.precision) / t;
     const bool same_node = l.tp * l.cp * l.dp < c.gpus_per_node;  // neighbours are tp*cp*dp ranks apart
     p2p = bytes / (same_node ? intra_bw(c, k) : inter_bw(c, k)) + k.p2p_latency_s;
   }
@@ -219,7 +232,7 @@ StageCost stage_cost(const ModelSpec& m, const Layout& l, const Cluster& c, cons
   }
   // Chunks differ in their MoE layers: the simulator runs the slowest chunk of any stage on
   // every stage, and the totals are those of the slowest stage.
-  const LayerTimes d = layer_times(lc, l.recompute), e = layer_times(moe_layer_cost(m, l, c, k, p), l.recompute);
+  const LayerTimes d = layer_times(lc, l.recompute), e = layer_times(moe_layer_cost(m, l, c, k, o), l.recompute);
   const auto sum = [&](const LayerCounts& n, double LayerTimes::*part) {
     return static_cast<double>(n.dense) * (d.*part) + static_cast<double>(n.moe) * (e.*part);
   };
@@ -300,7 +313,7 @@ MoeTraffic moe_traffic_per_layer(const ModelSpec& m, const Layout& l, const Clus
 
 PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster& c, const Calibration& k,
                              const CostOptions& o) {
-  const StageCost s = stage_cost(m, l, c, k, o.precision);
+  const StageCost s = stage_cost(m, l, c, k, o);
   PipelineCosts pc;
   pc.chunk_forward = s.chunk_forward, pc.chunk_backward = s.chunk_backward;
   // Integer ticks: a forward is 200 ticks, the backward its ratio to it (0.5% resolution).
@@ -349,7 +362,7 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
                            const Calibration& k, const CostOptions& o, const PipelineCosts& pc,
                            const pipeline::SimulationResult& sim) {
   validate_layout(m, l, c.gpus(), global_batch);
-  const StageCost s = stage_cost(m, l, c, k, o.precision);
+  const StageCost s = stage_cost(m, l, c, k, o);
   const double mb = static_cast<double>(l.num_microbatches(global_batch));
   TimeBreakdown t;
   t.compute = mb * s.compute;

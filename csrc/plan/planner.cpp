@@ -37,6 +37,7 @@ const pipeline::SimulationResult& simulate_cached(std::map<SimKey, pipeline::Sim
 CostOptions cost_options(const PlanRequest& r) {
   CostOptions co;
   co.precision = r.precision;
+  co.fp8 = r.fp8;
   return co;
 }
 

@@ -490,3 +490,29 @@ TEST_CASE("Context parallelism: where c = 1 does not fit, the planner picks c > 
   r.cp = 1;
   CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("no layout fits"));
 }
+
+TEST_CASE("FP8: the linear layers' GEMMs at the FP8 rate, attention and the head at the 16-bit one", "[plan]") {
+  using namespace megatorch::plan;
+  ModelSpec m;  // GPT 1.3B's shape
+  m.num_layers = 24, m.hidden_size = 2048, m.num_attention_heads = 16, m.seq_length = 2048, m.vocab_size = 50304;
+  Layout l;
+  Cluster c;
+  c.peak_tflops = 989;
+  Calibration k;
+  k.memory_bound_passes = 0;  // GEMMs only: the forward is linear in 1 / the weights' rate
+  const auto forward = [&](bool fp8, double fp8_peak) {
+    Cluster cc = c;
+    cc.fp8_peak_tflops = fp8_peak;
+    CostOptions o;
+    o.fp8 = fp8;
+    return pipeline_costs(m, l, cc, k, o).chunk_forward;
+  };
+  const double bf16 = forward(false, 0);
+  CHECK(forward(true, 989) == Approx(bf16).epsilon(1e-12));  // the same rate: the same time
+  // T(rate) = A + W·peak/rate: the default FP8 peak (2 x) saves half of what an infinitely
+  // fast one would, which leaves attention and the head.
+  const double fp8 = forward(true, 0), rest = forward(true, 1e30);
+  CHECK(forward(true, 2 * 989) == Approx(fp8).epsilon(1e-12));
+  CHECK(bf16 - fp8 == Approx((bf16 - rest) / 2).epsilon(1e-9));
+  CHECK(rest > 0.05 * bf16);  // attention and the head did not move
+}

@@ -24,6 +24,8 @@ struct Cluster {
   int64_t nodes = 1;
   double gpu_memory_gb = 80;
   double peak_tflops = 312;
+  // Dense FP8 TFLOP/s per GPU for FP8 runs (1979 on H100/H200); 0: 2 x peak_tflops.
+  double fp8_peak_tflops = 0;
   double intra_node_gbps = 600;
   double inter_node_gbps = 200;
   double memory_bandwidth_gbps = 2039;  // HBM, for the memory-bound share of a layer
@@ -77,6 +79,9 @@ struct TimeBreakdown {
 
 struct CostOptions {
   Precision precision = Precision::kBf16;
+  // The transformer layers' linear GEMMs in FP8 (gpt_pretrain --fp8-format): at
+  // Cluster::fp8_peak_tflops; attention, the head and MoE experts stay 16-bit.
+  bool fp8 = false;
 };
 
 // What one CP rank exchanges for one transformer layer and one micro-batch, and how long it

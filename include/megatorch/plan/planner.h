@@ -22,6 +22,7 @@ struct PlanRequest {
   Calibration calibration;
   int64_t global_batch = 512;
   Precision precision = Precision::kBf16;
+  bool fp8 = false;  // the layers' linear GEMMs in FP8 (CostOptions::fp8)
   ActivationOptions activations;  // activation_bytes follows the precision
   double reserved_gb = 2.0;  // runtime, communication buffers, fragmentation
   // Fixed knobs; unset ones are searched.
