@@ -51,7 +51,8 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     if (has_bias) y = y + *bias;
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes.back() = weight.size(0);
-    return y.view(sizes);
+    // Not a view, as at::matmul's output is not: callers reduce it in place (g's all-reduce).
+    return at::_unsafe_view(y, sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
