@@ -82,7 +82,8 @@ def build_reference(shape: GPTShape, device, dtype, args, compiled: bool):
 # Optional peers: the package, the environment variable naming a folder that holds it (appended
 # to sys.path, so this interpreter's torch still wins), its folder inside that.
 OPTIONAL = {"mcore": ("megatron.core", "MEGATORCH_MCORE_PATH", "megatron/core"),
-            "torchtitan": ("torchtitan", "MEGATORCH_TORCHTITAN_PATH", "torchtitan")}
+            "torchtitan": ("torchtitan", "MEGATORCH_TORCHTITAN_PATH", "torchtitan"),
+            "torchao_fp8": ("torchao", "MEGATORCH_TORCHAO_PATH", "torchao")}
 
 
 def _candidates(env):
@@ -154,6 +155,17 @@ def mcore_name(name: str) -> str:
         if rest.startswith(k + "."):
             return f"decoder.layers.{parts[1]}.{v}{rest[len(k):]}"
     raise KeyError(name)
+
+
+def build_torchao_fp8(shape: GPTShape, device, dtype, args):
+    """The eager reference with torchao's float8 training (tensorwise dynamic scaling) on its
+    linear layers: what a PyTorch user adds for FP8. The head (a bare parameter) stays bf16,
+    as megatorch's."""
+    import_optional("torchao_fp8")
+    from torchao.float8 import convert_to_float8_training
+    model, loss_fn, opt, notes = build_reference(shape, device, dtype, args, compiled=False)
+    convert_to_float8_training(model)
+    return model, loss_fn, opt, notes + "; torchao.float8.convert_to_float8_training on every nn.Linear (eager)"
 
 
 def build_mcore(shape: GPTShape, device, dtype, args):

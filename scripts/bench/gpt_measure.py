@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gpt_builders import build_mcore, build_megatorch, build_reference, build_torchtitan
+from gpt_builders import build_mcore, build_megatorch, build_reference, build_torchao_fp8, build_torchtitan
 from gpt_profile import profile_steps, sync_check
 from gpt_reference import GPTShape, same_loss_as
 
@@ -118,6 +118,8 @@ def build(impl, shape, device, dtype, args):
         return build_mcore(shape, device, dtype, args)
     if impl == "torchtitan":
         return build_torchtitan(shape, device, dtype, args)
+    if impl == "torchao_fp8":
+        return build_torchao_fp8(shape, device, dtype, args)
     raise ValueError(impl)
 
 

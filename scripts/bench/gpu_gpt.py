@@ -3,8 +3,10 @@
 GPTModel driven from Python (bf16, fused kernels, attention through
 at::scaled_dot_product_attention, its DistributedOptimizer) next to the same model in plain
 PyTorch eager (SDPA), the same under torch.compile (each layer), Megatron-Core's GPTModel
-with its local (non-Transformer-Engine) layers, and torchtitan's Llama (Llama shapes, when
-torchtitan is importable) — in one run, on one GPU, at sequence 2048:
+with its local (non-Transformer-Engine) layers, torchtitan's Llama (Llama shapes, when
+torchtitan is importable) and the eager model with torchao's float8 training (when torchao
+is importable: the FP8 peer of gpu_pretrain.py's --fp8-format rows) — in one run, on one
+GPU, at sequence 2048:
 
     1.3B      GPT-3 1.3B: h 2048, 24 layers, 16 heads, LayerNorm, GeLU, learned positions,
               biases, tied embeddings, vocabulary 50304 (1,315,819,520 parameters)
@@ -106,11 +108,12 @@ CPU_SIZES = {             # the CPU fallback: the same code paths at toy sizes
                       vocab_size=512, arch="llama", tie_embeddings=False),
 }
 ARCHS = ("gpt", "llama")
-IMPLS = ("megatorch", "eager", "compile", "mcore", "torchtitan")
-GROUPS = (("megatorch", "eager"), ("compile",), ("torchtitan",), ("mcore",))  # one worker each, in this order
+IMPLS = ("megatorch", "eager", "compile", "mcore", "torchtitan", "torchao_fp8")
+# One worker each, in this order.
+GROUPS = (("megatorch", "eager"), ("compile",), ("torchtitan",), ("mcore",), ("torchao_fp8",))
 # Seconds a row needs beyond its steps (model build, compilation): rows that no longer fit
 # in the budget are skipped, not started.
-SETUP_S = {"megatorch": 30, "eager": 15, "compile": 60, "mcore": 40, "torchtitan": 20}
+SETUP_S = {"megatorch": 30, "eager": 15, "compile": 60, "mcore": 40, "torchtitan": 20, "torchao_fp8": 20}
 NO_GPU_MESSAGE = "no GPU: ran the CPU fallback at toy sizes; numbers are not GPU numbers"
 
 
@@ -182,7 +185,7 @@ def worker(args) -> int:
                 f = frames[-1]
                 where = f" at {'/'.join(Path(f.filename).parts[-3:])}:{f.lineno} ({f.name})"
             first = f"{type(e).__name__}{where}: {text.splitlines()[0][:300] if text else ''}"
-            prefix = {"mcore": "megatron-core: not runnable here: ",
+            prefix = {"mcore": "megatron-core: not runnable here: ", "torchao_fp8": "torchao float8: ",
                       "torchtitan": "torchtitan not importable: " if isinstance(e, ImportError) else
                       "torchtitan: not runnable here: "}.get(impl, "")
             row = {"size": size, "arch": shape.arch, "impl": impl,
@@ -404,7 +407,8 @@ def main():
             why = (f"{module} not found: not in {sys.executable}'s packages, ${env} "
                    f"{'= ' + os.environ[env] + ' holds no ' + module if os.environ.get(env) else 'unset'}, "
                    "no copy in the repository's .venv")
-            name = "torchtitan not importable" if impl == "torchtitan" else "megatron-core: not runnable here"
+            name = {"torchtitan": "torchtitan not importable", "torchao_fp8": "torchao not importable"}.get(
+                impl, "megatron-core: not runnable here")
             for s in chosen:
                 if applies(impl, sizes[s]):
                     rows[(s, impl)] = {"size": s, "arch": sizes[s]["arch"], "impl": impl, "status": "unavailable",

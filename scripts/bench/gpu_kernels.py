@@ -202,11 +202,54 @@ def main():
 
     if not args.no_norms:
         info["norms"] = measure_norms(args, device, started)
+    info["gemms"] = measure_gemms(device, sizes, bench, args.iters)
     info.update(kernels=rows, seconds=round(time.time() - started, 1))
     out.write_text(json.dumps(info, indent=2) + "\n")
     print(markdown(info))
     print(f"[gpu_kernels] wrote {out}")
     return 0
+
+
+def quantise(x, dtype):
+    """megatorch's current-scaling quantisation as ATen ops (fp8/scaling.cpp): amax, scale,
+    saturating cast."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / x.abs().amax().float().clamp_min(1e-12)
+    return (x.float() * scale).clamp_(-fmax, fmax).to(dtype), scale.reciprocal()
+
+
+def measure_gemms(device, sizes, bench, iters):
+    """The linear layers' GEMMs at GPT 1.3B's shapes: bf16 x·Wᵀ against at::_scaled_mm's
+    E4M3 GEMM (fast accumulation, as megatorch's forward), TFLOP/s of each, and the
+    quantisation of the activation (amax, scale, cast) that FP8 adds per GEMM."""
+    t, h = sizes["tokens"], sizes["hidden"]
+    rows = []
+    for name, n, k in (("qkv", 3 * h, h), ("proj", h, h), ("fc1", 4 * h, h), ("fc2", h, 4 * h)):
+        x = torch.randn(t, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        qx, sx = quantise(x, torch.float8_e4m3fn)
+        qw, sw = quantise(w, torch.float8_e4m3fn)
+        flops = 2.0 * t * n * k
+        row = {"gemm": name, "m": t, "n": n, "k": k}
+        row["bf16_ms"] = bench(lambda: x @ w.t(), iters)
+        try:
+            row["fp8_ms"] = bench(lambda: torch._scaled_mm(qx, qw.t(), sx, sw, out_dtype=torch.bfloat16,
+                                                           use_fast_accum=device == "cuda"), iters)
+            row["quantise_ms"] = bench(lambda: quantise(x, torch.float8_e4m3fn), iters)
+        except RuntimeError as e:  # a device without FP8 GEMMs: the bf16 column still stands
+            row["fp8_error"] = str(e).splitlines()[0][:200]
+        row["bf16_tflops"] = flops / row["bf16_ms"] / 1e9
+        if "fp8_ms" in row:
+            row["fp8_tflops"] = flops / row["fp8_ms"] / 1e9
+            row["fp8_speedup"] = row["bf16_ms"] / row["fp8_ms"]
+            row["fp8_speedup_with_quantise"] = row["bf16_ms"] / (row["fp8_ms"] + row["quantise_ms"])
+        rows.append(row)
+        print(f"[gpu_kernels] GEMM {name:5s} {t}x{n}x{k}: bf16 {row['bf16_tflops']:.0f} TFLOP/s"
+              + (f", fp8 {row['fp8_tflops']:.0f} TFLOP/s (x{row['fp8_speedup']:.2f}; with the input's "
+                 f"quantisation x{row['fp8_speedup_with_quantise']:.2f})" if "fp8_ms" in row else
+                 f", fp8: {row['fp8_error']}"), flush=True)
+        del x, w, qx, qw
+    return rows
 
 
 IMPLS = ("megatorch", "torch", "apex", "liger")
@@ -288,6 +331,14 @@ def markdown(info) -> str:
             diff = f"{diff:.2e}" if isinstance(diff, float) else str(diff)
             lines.append(f"| {r['name']} | {r['model']} | {r['shape']} | {r['dtype']} | {r['copy_GBps']:.0f} | "
                          + " | ".join(cells) + f" | {diff} |")
+    if info.get("gemms"):
+        lines += ["", "| GEMM (m x n x k) | bf16 TFLOP/s | FP8 _scaled_mm TFLOP/s | FP8 / bf16 | with the input's "
+                  "quantisation |", "|---|---|---|---|---|"]
+        for g in info["gemms"]:
+            shape = f"{g['gemm']} ({g['m']} x {g['n']} x {g['k']})"
+            lines.append(f"| {shape} | {g['bf16_tflops']:.0f} | " +
+                         (f"{g['fp8_tflops']:.0f} | {g['fp8_speedup']:.2f}x | {g['fp8_speedup_with_quantise']:.2f}x |"
+                          if "fp8_tflops" in g else f"{g['fp8_error']} | | |"))
     return "\n".join(lines)
 
 

@@ -18,6 +18,9 @@
    tokens/s, TFLOP/s and MFU against the 989 TFLOP/s bf16 datasheet figure. llama_1b: the
    same for gpu_gpt.py's llama-1B (Llama 3.2 1B's layers, GQA 4:1, untied, vocabulary
    32000), so the goal has gpt_pretrain's row for both models.
+   gpt_1p3b_fp8_delayed, gpt_1p3b_fp8_tensorwise, llama_1b_fp8_delayed: the same with FP8
+   GEMMs (docs/fp8.md; tokens/s over bf16's, goal >= 1.3x at 1.3B), and fp8_losses: GPT
+   1.3B's first 50 losses in bf16 and in FP8 on the bundled data (goal: the last 10 within 1%).
 5. cuda_graph_350m: GPT ~350M (h 1024, 24 layers) bf16 at micro-batch 1, without and with
    --cuda-graph (no dropout in either): host and wall milliseconds per step and the
    speed-up, i.e. whether the step is launch-bound there and what graph replay gains.
@@ -68,8 +71,20 @@ GPT_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-head
             "--clip-grad", "1.0", "--seed", "1234"]
 
 
-# Result key -> the table's name for it.
-MEASURED = {"gpt_1p3b": "GPT 1.3B", "llama_1b": "Llama 1B"}
+# FP8 recipes measured next to bf16 (docs/fp8.md): TE's usual delayed setting, and current scaling.
+FP8 = {"fp8_delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+                       "--fp8-amax-compute-algo", "max"],
+       "fp8_tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]}
+# Result key -> (the table's name for it, the flags).
+# In the order they are measured (what the time budget no longer fits is skipped).
+MODELS = {"gpt_1p3b": ("GPT 1.3B", GPT_1P3B),
+          "gpt_1p3b_fp8_delayed": ("GPT 1.3B fp8 delayed", GPT_1P3B + FP8["fp8_delayed"]),
+          "llama_1b": ("Llama 1B", LLAMA_1B),
+          "gpt_1p3b_fp8_tensorwise": ("GPT 1.3B fp8 tensorwise", GPT_1P3B + FP8["fp8_tensorwise"]),
+          "llama_1b_fp8_delayed": ("Llama 1B fp8 delayed", LLAMA_1B + FP8["fp8_delayed"])}
+FP8_DATASHEET_TFLOPS = 1979.0  # H100 / H200 SXM, dense FP8
+MEASURED = {k: name for k, (name, _) in MODELS.items()}
+FP8_LOSS_ITERS = 50
 
 
 def free_port():
@@ -165,6 +180,27 @@ def measure_model(binary, model, micro_batch, iters, deadline):
     return {"ok": False, "tried": tried, "error": "out of memory at micro-batch 1"}
 
 
+def compare_fp8_losses(binary, micro_batch, deadline):
+    """GPT 1.3B on the bundled data, bf16 and hybrid/delayed FP8, FP8_LOSS_ITERS iterations
+    each at the same micro-batch: both loss curves and the relative difference of the last
+    10 iterations' means (goal: within 1%)."""
+    curves = {}
+    for name, extra in (("bf16", []), ("fp8_delayed", FP8["fp8_delayed"])):
+        left = deadline - time.monotonic()
+        if left < 60:
+            return {"skipped": f"time budget: {int(left)} s left", "ok": True, "losses": curves}
+        args = [*GPT_1P3B, *extra, "--micro-batch-size", str(micro_batch), "--global-batch-size", str(micro_batch),
+                "--train-iters", str(FP8_LOSS_ITERS), "--device", "cuda"]
+        recs, code, tail = run_pretrain(binary, 1, args, timeout=int(left))
+        if code != 0 or len(recs) != FP8_LOSS_ITERS:
+            return {"ok": False, "error": tail, "losses": curves}
+        curves[name] = [recs[i]["loss"] for i in sorted(recs)]
+    mean = lambda xs: sum(xs[-10:]) / 10  # noqa: E731
+    diff = abs(mean(curves["fp8_delayed"]) - mean(curves["bf16"])) / mean(curves["bf16"])
+    return {"ok": True, "what": f"GPT 1.3B, {FP8_LOSS_ITERS} iterations, micro-batch {micro_batch}",
+            "losses": curves, "last10_rel_diff": diff, "goal_met": diff <= 0.01}
+
+
 def check_host_sync(binary, timeout):
     """The steady-state step issues its work without waiting for the device."""
     out = {"what": "tiny GPT on one GPU, --sync-debug-iters 4-6 (CUDA sync debug mode 'error')", "runs": {}}
@@ -209,6 +245,28 @@ def measure_cuda_graph(binary, deadline, iters=10):
     return out
 
 
+def fp8_lines(result):
+    """The FP8 goals: each recipe's tokens/s over bf16's (goal >= 1.3 at 1.3B), and the loss check."""
+    out = []
+    base = result.get("gpt_1p3b", {})
+    for key in FP8:
+        r = result.get(f"gpt_1p3b_{key}", {})
+        if base.get("ok") and r.get("ok") and "tokens_per_s" in r:
+            ratio = r["tokens_per_s"] / base["tokens_per_s"]
+            out.append(f"| GPT 1.3B {key.replace('_', ' ')} / bf16 tokens/s | {ratio:.2f}x | goal >= 1.3x: "
+                       f"{'met' if ratio >= 1.3 else 'not met'}; MFU against the FP8 datasheet "
+                       f"({FP8_DATASHEET_TFLOPS:.0f} TFLOP/s): {100 * r['tflops'] / FP8_DATASHEET_TFLOPS:.1f}% |")
+    c = result.get("fp8_losses", {"skipped": "not run"})
+    if c.get("skipped"):
+        out.append(f"| FP8 losses vs bf16 | skipped: {c['skipped']} | |")
+    elif c.get("ok"):
+        out.append(f"| FP8 losses vs bf16 | {100 * c['last10_rel_diff']:.2f}% | {c['what']}, mean of the last 10; "
+                   f"goal <= 1%: {'met' if c['goal_met'] else 'not met'} |")
+    else:
+        out.append(f"| FP8 losses vs bf16 | failed: {str(c.get('error', ''))[-120:]!r} | |")
+    return ["", "| FP8 | value | detail |", "|---|---|---|", *out] if out else []
+
+
 def markdown(result, gpt_rows):
     lines = ["| check | result | detail |", "|---|---|---|"]
     for key in ("parity", *SHARED):
@@ -219,7 +277,7 @@ def markdown(result, gpt_rows):
             d = c["max_rel_diff"]
             lines.append(f"| {key} | {'pass' if c['ok'] else 'FAIL'} | {c['what']}; max relative loss difference "
                          f"{d:.2e} (tolerance {c['rtol']}) |" if d is not None else f"| {key} | FAIL | no losses |")
-    lines += ["", "| bf16, one GPU | micro-batch | tokens/s | TFLOP/s | MFU (989 TFLOP/s) |",
+    lines += ["", "| one GPU, bf16 params | micro-batch | tokens/s | TFLOP/s | MFU (989 TFLOP/s) |",
               "|---|---|---|---|---|"]
     for key, name in MEASURED.items():
         g = result.get(key, {"skipped": "not run"})
@@ -247,6 +305,7 @@ def markdown(result, gpt_rows):
                          f"{r['tflops']:.1f} | {100 * (r.get('mfu_vs_datasheet') or 0):.1f}% |")
         else:
             lines.append(f"| GPT 1.3B: {names[r['impl']]} | {r.get('status', 'not run')}: {str(r.get('error', ''))[:80]} | | | |")
+    lines += fp8_lines(result)
     c = result.get("cuda_graph_350m", {"skipped": "not run"})
     lines += ["", "| GPT 350M, bf16, micro-batch 1 | ms/step | host ms/step | tokens/s |", "|---|---|---|---|"]
     if c.get("skipped"):
@@ -295,10 +354,12 @@ def main():
         # In priority order, each with the seconds it needs at least: what no longer fits in
         # --budget-s is skipped with the reason (the schedules' checks, which passed on the
         # H200 and change least, last).
-        plan = [("host_sync", 30, lambda left: check_host_sync(binary, timeout=left)),
-                ("gpt_1p3b", 60, lambda left: measure_model(binary, GPT_1P3B, a.micro_batch, a.iters, deadline)),
-                ("llama_1b", 60, lambda left: measure_model(binary, LLAMA_1B, a.micro_batch, a.iters, deadline)),
-                ("cuda_graph_350m", 90, lambda left: measure_cuda_graph(binary, deadline))]
+        plan = [("host_sync", 30, lambda left: check_host_sync(binary, timeout=left))]
+        plan += [(key, 60, lambda left, flags=flags: measure_model(binary, flags, a.micro_batch, a.iters, deadline))
+                 for key, (_, flags) in MODELS.items()]
+        plan += [("fp8_losses", 120, lambda left: compare_fp8_losses(
+                     binary, result.get("gpt_1p3b_fp8_delayed", {}).get("micro_batch") or 1, deadline)),
+                 ("cuda_graph_350m", 90, lambda left: measure_cuda_graph(binary, deadline))]
         plan += [(key, 30, lambda left, schedule=schedule: check_shared_gpu(binary, timeout=left, schedule=schedule))
                  for key, schedule in SHARED.items()]
         for key, needs, run in plan:
@@ -310,9 +371,10 @@ def main():
                 result[key] = run(left)
             print(f"{key}:", json.dumps({k: v for k, v in result[key].items() if k != "losses"})[:2000], flush=True)
     else:
-        for key in (*SHARED, "host_sync", *MEASURED, "cuda_graph_350m"):
+        for key in (*SHARED, "host_sync", *MEASURED, "fp8_losses", "cuda_graph_350m"):
             result[key] = {"skipped": "no GPU", "ok": True}
-    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "host_sync", *MEASURED, "cuda_graph_350m"))
+    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "host_sync", *MEASURED, "fp8_losses",
+                                                 "cuda_graph_350m"))
     out.write_text(json.dumps(result, indent=2))
     table = markdown(result, gpt_rows)
     out.with_suffix(".md").write_text(table)

@@ -24,11 +24,12 @@ struct Cluster {
   int64_t nodes = 1;
   double gpu_memory_gb = 80;
   double peak_tflops = 312;
-  // Dense FP8 TFLOP/s per GPU for FP8 runs (1979 on H100/H200); 0: 2 x peak_tflops.
-  double fp8_peak_tflops = 0;
   double intra_node_gbps = 600;
   double inter_node_gbps = 200;
   double memory_bandwidth_gbps = 2039;  // HBM, for the memory-bound share of a layer
+  // Dense FP8 TFLOP/s per GPU for FP8 runs (1979 on H100/H200); 0: 2 x peak_tflops. Last,
+  // so that positional initialisations written before it keep their meaning.
+  double fp8_peak_tflops = 0;
   int64_t gpus() const { return gpus_per_node * nodes; }
   double memory_bytes() const { return gpu_memory_gb * 1e9; }
 };

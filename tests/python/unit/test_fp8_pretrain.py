@@ -70,6 +70,20 @@ def test_fp8_tp2pp2_gives_tp1_losses_and_resumes_at_tp1(tmp_path):
                                     "--finetune"], 4)
 
 
+def test_fp8_same_losses_under_sp_cp_and_the_split_backward(tmp_path):
+    """TP2 with sequence parallelism (amaxes of gathered tensors), CP2 (the inputs' and output
+    gradients' amaxes reduced over the CP group too) and PP2 under zb-h1 (B quantises the
+    output gradient, W reuses it): TP1's first 10 losses within 1e-3."""
+    sched = [*HYBRID_DELAYED, "--lr-decay-iters", "20"]
+    ref, _ = train(tmp_path, "tp1", 1, sched, 10)
+    for name, layout in {"tp2sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                         "cp2": ["--context-parallel-size", "2"],
+                         "pp2zbh1": ["--pipeline-model-parallel-size", "2", "--schedule", "zb-h1"]}.items():
+        got, _ = train(tmp_path, name, 2, [*sched, *layout], 10)
+        for it in ref:
+            assert got[it] == pytest.approx(ref[it], rel=1e-3), (name, it)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16 is refused"),
     (["--fp8-format", "e5m2"], "expected fp8 format 'e4m3' or 'hybrid', got 'e5m2'"),
