@@ -10,10 +10,12 @@
 # gpu_pretrain.py: gpt_pretrain on one GPU against the CPU, TP2 x PP2 as 4 processes sharing
 # the GPU through Gloo against the CPU, the steady-state step under --sync-debug-iters, GPT
 # 1.3B bf16 tokens/s, TFLOP/s and MFU from the trainer's own log, next to the eager and
-# torch.compile rows of gpt.json, and GPT 350M at micro-batch 1 with and without
+# torch.compile rows of gpt.json, the same with --fp8-format (delayed and tensorwise) and
+# 50 iterations of FP8 losses next to bf16's, and GPT 350M at micro-batch 1 with and without
 # --cuda-graph: host vs wall time per step), gpt.json +
 # gpt.md (scripts/bench/gpu_gpt.py, GPT 1.3B and Llama ~1B in one run: megatorch's model
-# from Python against eager PyTorch, torch.compile, torchtitan and Megatron-Core; the sync
+# from Python against eager PyTorch, torch.compile, torchtitan, Megatron-Core and torchao's
+# float8 training ($MEGATORCH_TORCHAO_PATH); the sync
 # check, the goal against pretrain.json) with profile_megatorch_1.3B.json.gz and
 # profile_eager_1.3B.json.gz (Chrome traces), kernels.json (scripts/bench/gpu_kernels.py)
 # and gpu_check.log. Meant to finish in under 8 minutes (MEGATORCH_GPU_CHECK_LIMIT_S,

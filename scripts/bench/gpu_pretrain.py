@@ -3,7 +3,8 @@
 (scripts/gpu_check.sh step `pretrain`):
 
 1. parity: one GPU, fp32, a tiny GPT: the first 10 losses equal a CPU run of the same
-   configuration within 1e-4 (relative).
+   configuration within 1e-4 (relative); fp8_parity: the same with --fp8-format hybrid
+   (cuBLASLt's FP8 GEMMs against the CPU's _scaled_mm) within 1e-3.
 2. shared_gpu: TP2 x PP2 as 4 processes on the one GPU (NCCL refuses two ranks on one
    device, so --device cuda:0 --distributed-backend gloo: Gloo with CUDA tensors), its
    losses equal the same layout's CPU run within 1e-4; shared_gpu_zb_h1, shared_gpu_zb_v and
@@ -126,13 +127,13 @@ def compare(device_run, cpu_run, rtol):
     return rows, ok
 
 
-def check_parity(binary, gpu, timeout):
+def check_parity(binary, gpu, timeout, extra=(), rtol=1e-4, what="fp32"):
     device = ["--device", "cuda"] if gpu else ["--device", "cpu"]
-    dev, code_d, tail_d = run_pretrain(binary, 1, [*TINY, *device], timeout)
-    cpu, code_c, tail_c = run_pretrain(binary, 1, [*TINY, "--device", "cpu"], timeout)
-    rows, ok = compare(dev, cpu, 1e-4)
-    return {"what": "1 GPU vs CPU, fp32, first 10 losses" if gpu else "no GPU: CPU vs CPU (harness check only)",
-            "ok": ok and code_d == 0 and code_c == 0, "rtol": 1e-4, "losses": rows,
+    dev, code_d, tail_d = run_pretrain(binary, 1, [*TINY, *extra, *device], timeout)
+    cpu, code_c, tail_c = run_pretrain(binary, 1, [*TINY, *extra, "--device", "cpu"], timeout)
+    rows, ok = compare(dev, cpu, rtol)
+    return {"what": f"1 GPU vs CPU, {what}, first 10 losses" if gpu else "no GPU: CPU vs CPU (harness check only)",
+            "ok": ok and code_d == 0 and code_c == 0, "rtol": rtol, "losses": rows,
             "max_rel_diff": max((r["rel_diff"] or 0) for r in rows) if rows else None,
             "log_tail": "" if code_d == code_c == 0 else tail_d + tail_c}
 
@@ -269,7 +270,7 @@ def fp8_lines(result):
 
 def markdown(result, gpt_rows):
     lines = ["| check | result | detail |", "|---|---|---|"]
-    for key in ("parity", *SHARED):
+    for key in ("parity", "fp8_parity", *SHARED):
         c = result.get(key, {"skipped": "not run"})  # a JSON from before the check existed
         if c.get("skipped"):
             lines.append(f"| {key} | skipped | {c['skipped']} |")
@@ -290,11 +291,11 @@ def markdown(result, gpt_rows):
             lines.append(f"| {name}: gpt_pretrain | failed: {str(g.get('error', ''))[-200:]!r} | | | |")
     h = result.get("host_sync", {"skipped": "not run"})
     if h.get("skipped"):
-        lines.insert(2 + len(SHARED) + 1, f"| host_sync | skipped | {h['skipped']} |")
+        lines.insert(2 + len(SHARED) + 2, f"| host_sync | skipped | {h['skipped']} |")
     else:
         detail = "; ".join(f"{k}: {'no synchronisation' if r['ok'] else (r['synchronisation'] or 'failed')}"
                            for k, r in h["runs"].items())
-        lines.insert(2 + len(SHARED) + 1, f"| host_sync | {'pass' if h['ok'] else 'FAIL'} | {h['what']}: {detail} |")
+        lines.insert(2 + len(SHARED) + 2, f"| host_sync | {'pass' if h['ok'] else 'FAIL'} | {h['what']}: {detail} |")
     names = {"megatorch": "megatorch model in Python (gpu_gpt.py)", "eager": "PyTorch eager (gpu_gpt.py)",
              "compile": "torch.compile (gpu_gpt.py)"}
     for r in gpt_rows:
@@ -354,7 +355,10 @@ def main():
         # In priority order, each with the seconds it needs at least: what no longer fits in
         # --budget-s is skipped with the reason (the schedules' checks, which passed on the
         # H200 and change least, last).
-        plan = [("host_sync", 30, lambda left: check_host_sync(binary, timeout=left))]
+        # FP8 GEMMs: cuBLASLt's _scaled_mm (fast accumulation in forward) against the CPU's.
+        plan = [("fp8_parity", 30, lambda left: check_parity(binary, gpu, left, FP8["fp8_delayed"], 1e-3,
+                                                               "fp32 params, --fp8-format hybrid (delayed)")),
+                ("host_sync", 30, lambda left: check_host_sync(binary, timeout=left))]
         plan += [(key, 60, lambda left, flags=flags: measure_model(binary, flags, a.micro_batch, a.iters, deadline))
                  for key, (_, flags) in MODELS.items()]
         plan += [("fp8_losses", 120, lambda left: compare_fp8_losses(
@@ -371,10 +375,10 @@ def main():
                 result[key] = run(left)
             print(f"{key}:", json.dumps({k: v for k, v in result[key].items() if k != "losses"})[:2000], flush=True)
     else:
-        for key in (*SHARED, "host_sync", *MEASURED, "fp8_losses", "cuda_graph_350m"):
+        for key in (*SHARED, "fp8_parity", "host_sync", *MEASURED, "fp8_losses", "cuda_graph_350m"):
             result[key] = {"skipped": "no GPU", "ok": True}
-    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "host_sync", *MEASURED, "fp8_losses",
-                                                 "cuda_graph_350m"))
+    result["ok"] = all(result[k]["ok"] for k in ("parity", *SHARED, "fp8_parity", "host_sync", *MEASURED,
+                                                 "fp8_losses", "cuda_graph_350m"))
     out.write_text(json.dumps(result, indent=2))
     table = markdown(result, gpt_rows)
     out.with_suffix(".md").write_text(table)

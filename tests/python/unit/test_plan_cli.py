@@ -58,6 +58,24 @@ def test_fixed_knobs_are_honoured():
     assert time["step_s"] == pytest.approx(time["pipeline_s"] + time["dp_comm_s"])
 
 
+def test_fp8_prices_the_linear_gemms_at_the_fp8_peak():
+    """--fp8-format: the same fixed layout's compute at 2x the GEMM rate for the linear
+    layers (--fp8-peak-tflops 0) is shorter, and at --fp8-peak-tflops = --peak-tflops the same."""
+    fixed = ["--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "64", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1", "--zero-stage", "1",
+             "--context-parallel-size", "1", "--recompute-granularity", "selective", "--peak-tflops", "989"]
+    compute = {}
+    for name, extra in {"bf16": [], "fp8": ["--fp8-format", "hybrid"],
+                        "fp8_at_bf16_rate": ["--fp8-format", "hybrid", "--fp8-peak-tflops", "989"]}.items():
+        report = plan_json(*fixed, *extra)
+        assert report["fp8"] == (name != "bf16")
+        compute[name] = report["top"][0]["time"]["compute_s"]
+    assert compute["fp8"] < 0.8 * compute["bf16"]
+    assert compute["fp8_at_bf16_rate"] == pytest.approx(compute["bf16"], rel=1e-9)
+    out = run(*fixed, "--fp8-format", "e5m2")
+    assert out.returncode != 0 and "--fp8-format" in out.stderr
+
+
 def test_explain_prints_the_breakdown():
     out = run("--model", "llama3-8b", "--nodes", "1", "--global-batch-size", "32", "--explain")
     assert out.returncode == 0, out.stderr
