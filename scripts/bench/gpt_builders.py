@@ -41,13 +41,17 @@ def make_group(device):
     return dist.group.WORLD
 
 
-def build_megatorch(shape: GPTShape, device, dtype, args):
+# megatorch's FP8 row: TE's usual delayed recipe (docs/fp8.md), as gpu_pretrain.py's fp8_delayed.
+MEGATORCH_FP8 = {"format": "hybrid", "recipe": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"}
+
+
+def build_megatorch(shape: GPTShape, device, dtype, args, fp8=None):
     import megatorch  # noqa: F401  (loads the operators)
     import megatorch.cpp as mt
     from megatorch.optim import DistributedOptimizer
     group = make_group(device)
     config = mt.TransformerConfig(**shape.megatorch_fields(), params_dtype=dtype, device=device, fused_kernels=True,
-                                  recompute="none", seed=1234)
+                                  recompute="none", seed=1234, fp8=fp8)
     model = mt.GPTModel(config)
     model.train()
     shared_init_(model.named_parameters(), shape)  # before the optimizer copies its fp32 masters
@@ -56,6 +60,8 @@ def build_megatorch(shape: GPTShape, device, dtype, args):
     notes = ("megatorch.cpp.GPTModel (fused_kernels=True, at::scaled_dot_product_attention) + "
              "megatorch.optim.DistributedOptimizer (ZeRO 0, one rank; fp32 grads, master weights and moments; "
              "weight gradients accumulated into the fp32 buffer by the GEMM)")
+    if fp8:
+        notes += f"; FP8 GEMMs in every transformer layer's linear layers ({fp8})"
     return model, model.loss, opt, notes
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from gpt_builders import build_mcore, build_megatorch, build_reference, build_torchao_fp8, build_torchtitan
+from gpt_builders import (MEGATORCH_FP8, build_mcore, build_megatorch, build_reference, build_torchao_fp8,
+                          build_torchtitan)
 from gpt_profile import profile_steps, sync_check
 from gpt_reference import GPTShape, same_loss_as
 
@@ -112,6 +113,8 @@ def sdpa_backend(shape: GPTShape, b, device, dtype) -> str:
 def build(impl, shape, device, dtype, args):
     if impl == "megatorch":
         return build_megatorch(shape, device, dtype, args)
+    if impl == "megatorch_fp8":
+        return build_megatorch(shape, device, dtype, args, fp8=MEGATORCH_FP8)
     if impl in ("eager", "compile"):
         return build_reference(shape, device, dtype, args, compiled=impl == "compile")
     if impl == "mcore":

@@ -41,6 +41,15 @@ def derive(rows: dict, matmul_tflops: float, datasheet: float, device, dtype: st
                 diffs[impl] = other["loss_first_rel_diff"]
         same_start[size] = {"megatorch": mt["loss_first"], "rel_diff": diffs, "rtol": rtol,
                             "same": all(d <= rtol for d in diffs.values()) if diffs else None}
+        # FP8 (docs/fp8.md): megatorch's FP8 row over its bf16 row (goal >= 1.3) and over
+        # torchao's float8 on the eager model (goal >= 1.0). Not in same_start: quantisation
+        # moves the first loss.
+        fp8 = rows.get((size, "megatorch_fp8"), {})
+        if fp8.get("status") == "ok":
+            fp8["speedup_vs_megatorch_bf16"] = round(fp8["tokens_per_s"] / mt["tokens_per_s"], 3)
+            peer = rows.get((size, "torchao_fp8"), {})
+            if peer.get("status") == "ok":
+                fp8["speedup_vs_torchao_fp8"] = round(fp8["tokens_per_s"] / peer["tokens_per_s"], 3)
     return same_start
 
 
@@ -155,7 +164,7 @@ def markdown(result, no_gpu_message: str) -> str:
             continue
         mem = r.get("peak_memory_gib", r.get("peak_rss_gib"))
         extra = []
-        for impl in COMPARED:
+        for impl in (*COMPARED, "megatorch_bf16", "torchao_fp8"):
             if f"speedup_vs_{impl}" in r:
                 extra.append(f"x{r[f'speedup_vs_{impl}']:.2f} vs {impl}")
         if r.get("oom_retries"):

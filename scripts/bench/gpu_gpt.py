@@ -4,9 +4,9 @@ GPTModel driven from Python (bf16, fused kernels, attention through
 at::scaled_dot_product_attention, its DistributedOptimizer) next to the same model in plain
 PyTorch eager (SDPA), the same under torch.compile (each layer), Megatron-Core's GPTModel
 with its local (non-Transformer-Engine) layers, torchtitan's Llama (Llama shapes, when
-torchtitan is importable) and the eager model with torchao's float8 training (when torchao
-is importable: the FP8 peer of gpu_pretrain.py's --fp8-format rows) — in one run, on one
-GPU, at sequence 2048:
+torchtitan is importable), and in FP8 megatorch's model with TransformerConfig.fp8 (hybrid,
+delayed) next to the eager model with torchao's float8 training (when torchao is
+importable) — in one run, on one GPU, at sequence 2048:
 
     1.3B      GPT-3 1.3B: h 2048, 24 layers, 16 heads, LayerNorm, GeLU, learned positions,
               biases, tied embeddings, vocabulary 50304 (1,315,819,520 parameters)
@@ -108,12 +108,13 @@ CPU_SIZES = {             # the CPU fallback: the same code paths at toy sizes
                       vocab_size=512, arch="llama", tie_embeddings=False),
 }
 ARCHS = ("gpt", "llama")
-IMPLS = ("megatorch", "eager", "compile", "mcore", "torchtitan", "torchao_fp8")
+IMPLS = ("megatorch", "eager", "compile", "mcore", "torchtitan", "megatorch_fp8", "torchao_fp8")
 # One worker each, in this order.
-GROUPS = (("megatorch", "eager"), ("compile",), ("torchtitan",), ("mcore",), ("torchao_fp8",))
+GROUPS = (("megatorch", "eager"), ("compile",), ("megatorch_fp8", "torchao_fp8"), ("torchtitan",), ("mcore",))
 # Seconds a row needs beyond its steps (model build, compilation): rows that no longer fit
 # in the budget are skipped, not started.
-SETUP_S = {"megatorch": 30, "eager": 15, "compile": 60, "mcore": 40, "torchtitan": 20, "torchao_fp8": 20}
+SETUP_S = {"megatorch": 30, "eager": 15, "compile": 60, "mcore": 40, "torchtitan": 20, "megatorch_fp8": 30,
+           "torchao_fp8": 20}
 NO_GPU_MESSAGE = "no GPU: ran the CPU fallback at toy sizes; numbers are not GPU numbers"
 
 

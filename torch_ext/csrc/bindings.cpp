@@ -20,6 +20,7 @@
 
 namespace py = pybind11;
 namespace tf = megatorch::transformer;
+namespace fp8 = megatorch::fp8;
 using Config = tf::TransformerConfig;
 
 namespace {
@@ -119,6 +120,54 @@ Field group_field(const char* name, std::function<const std::string&(const Confi
           }};
 }
 
+// TransformerConfig.fp8 (fp8/recipe.h's Fp8Options) as a dict: {"format": "hybrid", "recipe":
+// "delayed", "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0}; keys left out
+// keep their defaults, None (or format "none") turns FP8 off.
+Field fp8_field() {
+  static const char* keys = "format, recipe, amax_history_len, amax_compute_algo, margin";
+  return {"fp8",
+          [](const Config& c) -> py::object {
+            const fp8::Fp8Options& o = c.fp8();
+            py::dict d;
+            d["format"] = fp8::to_string(o.format());
+            d["recipe"] = fp8::to_string(o.recipe());
+            d["amax_history_len"] = o.amax_history_len();
+            d["amax_compute_algo"] = fp8::to_string(o.amax_compute_algo());
+            d["margin"] = o.margin();
+            return std::move(d);
+          },
+          [](Config& c, const py::handle& v) {
+            fp8::Fp8Options o;
+            if (!v.is_none() && !py::isinstance<py::dict>(v)) {
+              throw py::type_error(std::string("TransformerConfig.fp8: expected a dict with keys among ") + keys +
+                                   ", or None, got " + py::str(py::type::of(v)).cast<std::string>());
+            }
+            try {
+              for (const auto& [k, val] : v.is_none() ? py::dict() : py::reinterpret_borrow<py::dict>(v)) {
+                const auto key = py::cast<std::string>(k);
+                if (key == "format") {
+                  const auto f = py::cast<std::string>(val);
+                  o.format(f == "none" ? fp8::Format::kNone : fp8::parse_format(f));
+                } else if (key == "recipe") {
+                  o.recipe(fp8::parse_recipe(py::cast<std::string>(val)));
+                } else if (key == "amax_history_len") {
+                  o.amax_history_len(py::cast<int64_t>(val));
+                } else if (key == "amax_compute_algo") {
+                  o.amax_compute_algo(fp8::parse_amax_algo(py::cast<std::string>(val)));
+                } else if (key == "margin") {
+                  o.margin(py::cast<int64_t>(val));
+                } else {
+                  throw py::value_error("TransformerConfig.fp8: unknown key '" + key + "'; the keys are " + keys);
+                }
+              }
+              o.validate("TransformerConfig.fp8");
+            } catch (const c10::Error& e) {
+              throw py::value_error(e.what_without_backtrace());
+            }
+            c.fp8(o);
+          }};
+}
+
 // Every field of TransformerConfig, in declaration order (config.h documents each).
 const std::vector<Field>& fields() {
   static const std::vector<Field> all = {
@@ -152,6 +201,7 @@ const std::vector<Field>& fields() {
       MT_FIELD(params_dtype),
       MT_FIELD(device), MT_FIELD(init_std), MT_FIELD(seed),
       MT_FIELD(shard_local_init), MT_FIELD(fused_kernels), MT_FIELD(cuda_graph),
+      fp8_field(), MT_FIELD(num_layers_at_start_in_bf16), MT_FIELD(num_layers_at_end_in_bf16),
   };
   return all;
 }

@@ -226,6 +226,37 @@ def test_state_dict_round_trips_through_torch_save(tmp_path):
         other.load_state_dict({"final_norm.bias": torch.ones(3)}, strict=False)
 
 
+def test_fp8_config_and_a_training_step():
+    """TransformerConfig.fp8 as a dict (keys left out keep their defaults, None turns it off),
+    loud about unknown keys and values; GPTModel with FP8 layers gives the fp32 loss within
+    a quantisation error and finite gradients, with the first and last layer kept unquantised
+    when asked."""
+    c = base_config(fp8={"format": "hybrid", "amax_history_len": 4})
+    assert c.fp8 == {"format": "hybrid", "recipe": "delayed", "amax_history_len": 4, "amax_compute_algo": "most_recent",
+                     "margin": 0}
+    assert base_config().fp8["format"] == "none" and base_config(fp8=None).fp8["format"] == "none"
+    assert mt.TransformerConfig(**c.to_dict()).fp8 == c.fp8
+    with pytest.raises(ValueError, match="unknown key 'formats'; the keys are format, recipe"):
+        base_config(fp8={"formats": "hybrid"})
+    with pytest.raises(ValueError, match="expected fp8 recipe 'tensorwise' or 'delayed', got 'mxfp8'"):
+        base_config(fp8={"format": "hybrid", "recipe": "mxfp8"})
+    with pytest.raises(TypeError, match="expected a dict"):
+        base_config(fp8="hybrid")
+    ids, labels = batch(3, 8, 200, 11)
+    losses = {}
+    for name, fields in {"fp32": {}, "fp8": dict(fp8={"format": "hybrid", "recipe": "tensorwise"}),
+                         "fp8_first_last_bf16": dict(fp8={"format": "hybrid", "recipe": "tensorwise"}, num_layers=3,
+                                                     num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)}.items():
+        model = mt.GPTModel(base_config(**fields))
+        loss = model.loss(ids, labels)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters()), name
+        losses[name] = loss.item()
+    assert losses["fp8"] != losses["fp32"] and losses["fp8"] == pytest.approx(losses["fp32"], rel=1e-2)
+    with pytest.raises(RuntimeError, match="layer 'layers.0.attention.qkv' has a weight shard \\[72, 24\\]"):
+        mt.GPTModel(base_config(hidden_size=24, num_attention_heads=3, fp8={"format": "e4m3"}))
+
+
 def test_config_fields_are_keywords_and_attributes():
     c = mt.TransformerConfig(hidden_size=48, num_attention_heads=6, normalization="rmsnorm", recompute="selective",
                              params_dtype=torch.float64, device="cpu", rotary_base=500000.0, sequence_parallel=True)
@@ -238,7 +269,7 @@ def test_config_fields_are_keywords_and_attributes():
     assert c.query_groups == 3
     assert set(c.to_dict()) >= {"hidden_size", "num_query_groups", "ffn_hidden_size", "norm_epsilon", "init_std",
                                 "seed", "shard_local_init", "tie_embeddings", "make_vocab_size_divisible_by"}
-    assert len(c.to_dict()) == 52  # every TORCH_ARG of TransformerConfig (20 of them MoE's)
+    assert len(c.to_dict()) == 55  # every TORCH_ARG of TransformerConfig (20 of them MoE's, 3 FP8's)
     assert c.fused_kernels is True and mt.TransformerConfig(fused_kernels=False).fused_kernels is False
     assert c.cuda_graph is False and mt.TransformerConfig(cuda_graph=True).cuda_graph is True
     assert c.causal_attention is True and mt.TransformerConfig(causal_attention=False).causal_attention is False
