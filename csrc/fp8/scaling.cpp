@@ -12,8 +12,10 @@ namespace megatorch::fp8 {
 
 at::Tensor quantize(const at::Tensor& x, const at::Tensor& scale, c10::ScalarType dtype) {
   const double max = max_of(dtype);
-  // In fp32: a bf16 product would round once more before the cast.
-  return (x.to(at::kFloat) * scale).clamp_(-max, max).to(dtype);
+  // In fp32: a bf16 product would round once more before the cast. One fp32 buffer,
+  // scaled and clamped in place (a cast past the format's max would give NaN, not max).
+  at::Tensor y = x.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  return y.mul_(scale).clamp_(-max, max).to(dtype);
 }
 
 at::Tensor scale_from_amax(const at::Tensor& amax, double fp8_max, int64_t margin, const at::Tensor& fallback) {
@@ -37,7 +39,9 @@ TensorScaling::TensorScaling(const Fp8Options& options, Role role, c10::Device d
 }
 
 at::Tensor TensorScaling::reduced_amax(const at::Tensor& x) const {
-  at::Tensor amax = x.numel() == 0 ? at::zeros({}, x.options().dtype(at::kFloat)) : x.abs().amax().to(at::kFloat);
+  // max |x| in one reduction (the infinity norm), exact in any dtype.
+  at::Tensor amax = x.numel() == 0 ? at::zeros({}, x.options().dtype(at::kFloat))
+                                   : at::linalg_vector_norm(x, INFINITY).to(at::kFloat);
   for (const auto& g : groups_) {
     if (!g.empty()) comm::Group(g).all_reduce(amax, comm::ReduceOp::kMax);
   }
