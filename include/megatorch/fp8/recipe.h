@@ -15,8 +15,8 @@ namespace megatorch::fp8 {
 // in E4M3, output gradients in E5M2 (max 57344: range over precision).
 enum class Format { kNone, kE4M3, kHybrid };
 // kTensorwise: current scaling, each tensor scaled by the amax it has now. kDelayed: the
-// scale comes from a history of past amaxes (TE's DelayedScaling), so quantising needs no
-// reduction over the tensor first.
+// scale comes from a history of past amaxes (TE's DelayedScaling); this call's amax only
+// enters the history, for the calls after it.
 enum class Recipe { kTensorwise, kDelayed };
 // Which amax of the history the delayed scale is computed from.
 enum class AmaxAlgo { kMostRecent, kMax };
