@@ -1,6 +1,6 @@
-"""One rank of test_plan_cli.py's MoE activation test at expert tensor parallelism 2.
+"""One rank of test_plan_cli_moe.py's MoE activation test at expert tensor parallelism 2.
 
-Run under torchrun (2 ranks, gloo): every rank builds the MoE layers of test_plan_cli's
+Run under torchrun (2 ranks, gloo): every rank builds the MoE layers of test_plan_cli_moe's
 MOE_VARIANTS x MOE_SETTINGS with expert_tensor_parallel_group = the world, runs each on
 its own random tokens and writes what the layer saved for backward (bytes, storages) and
 its expert shards' shapes to <out_dir>/rank<r>.json.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_plan_cli as t  # noqa: E402  (the layers and the measurement the ETP-1 test uses)
+import test_plan_cli_moe as t  # noqa: E402  (the layers and the measurement the ETP-1 test uses)
 
 
 def main(out_dir):
