@@ -70,8 +70,9 @@ std::optional<optim::MainGrad> accumulating_main_grad(const at::Tensor& weight) 
   return mg;
 }
 
-// What AccumulateGrad is handed once the gradient is in the main grad: a placeholder it
-// stores (never read) instead of adding it into the buffer.
+// What AccumulateGrad is handed once the gradient is in the main grad: an uninitialised
+// tensor of W's shape that it stores as .grad (the optimizer reads the main grad, never
+// it), so nothing is added into the buffer twice.
 at::Tensor delivered(const at::Tensor& weight, const optim::MainGrad& mg) {
   mg.sink->mark_added(mg.index);
   weight.mutable_grad() = at::Tensor();

@@ -19,8 +19,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& grad2d, const at::Tensor& x2d);
 
 // A weight gradient computed elsewhere (an FP8 GEMM's, in fp32): added into W's main grad
-// where linear_weight_grad would accumulate there (a placeholder is returned), else
-// returned in W's dtype for autograd.
+// where linear_weight_grad would accumulate there (what it returns then is the same unread
+// stand-in for .grad as linear_weight_grad's), else returned in W's dtype for autograd.
 at::Tensor add_weight_grad(const at::Tensor& weight, const at::Tensor& grad_weight);
 
 }  // namespace megatorch::tp
