@@ -1,6 +1,8 @@
 // megatorch-schedule: builds a pipeline schedule, simulates it and reports its bubble,
-// makespan and activations in flight per rank; checks the executor's p2p batches
-// against NCCL's rules (nccl_order_model.h); optionally draws its timeline as SVG. Given
+// makespan and activations in flight per rank; checks the executor's NCCL posting (one
+// communicator per channel, p2p_channels.h) and, for the looped schedules, Megatron's
+// single-communicator batches (nccl_order_model.h) against NCCL's rules; optionally draws
+// its timeline as SVG. Given
 // the sequence length and hidden size it also sizes the tensor sent between stages and the
 // bytes each rank sends per step; under context parallelism that tensor is each rank's
 // share of the sequence, [S/c (/t under SP), b, h].
@@ -17,7 +19,9 @@
 
 #include "megatorch/check.h"
 #include "megatorch/pipeline/nccl_order_model.h"
+#include "megatorch/comm/nccl_semantics.h"
 #include "megatorch/pipeline/p2p_batches.h"
+#include "megatorch/pipeline/p2p_channels.h"
 #include "megatorch/pipeline/schedule.h"
 #include "megatorch/pipeline/simulator.h"
 #include "megatorch/pipeline/timeline_svg.h"
@@ -113,6 +117,7 @@ const char* formula_text(mp::ScheduleKind kind) {
 }
 
 nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
+                           const megatorch::comm::NcclCheckReport& channels,
                            const std::optional<mp::NcclOrderReport>& nccl, const std::vector<int64_t>& sends) {
   const std::optional<mp::Ratio> formula = published_bubble(a, kind);
   nlohmann::json j;
@@ -141,18 +146,20 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
   j["busy"] = per_rank([](const mp::RankReport& r) { return r.busy; });
   j["idle"] = per_rank([](const mp::RankReport& r) { return r.idle; });
   j["bubble_per_rank"] = per_rank([](const mp::RankReport& r) { return r.bubble.str(); });
-  if (!nccl) {
-    j["nccl"] = {{"runs", false}, {"why", mp::nccl_refusal(kind)}};
-  } else {
-    j["nccl"] = {{"runs", true},
-                 {"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
-                 {"batches", nccl->batches},
-                 {"ops", nccl->ops},
-                 {"max_batch", nccl->max_batch},
-                 {"deadlock_free", true},
-                 {"makespan", nccl->makespan},
-                 {"bubble_fraction", nccl->bubble_fraction.value()},
-                 {"bubble_fraction_exact", nccl->bubble_fraction.str()}};
+  // The executor's posting on NCCL: checked for every schedule (run() throws otherwise).
+  j["nccl"] = {{"runs", true},
+               {"deadlock_free", true},
+               {"channels", mp::num_p2p_channels(a.v, mp::chunk_layout(kind))},
+               {"channel_ops", channels.transfers}};
+  // Megatron's single-communicator batches, for the looped schedules they can carry.
+  if (nccl) {
+    j["nccl"].update({{"recv_posting", mp::recv_posting_name(mp::recv_posting(kind))},
+                      {"batches", nccl->batches},
+                      {"ops", nccl->ops},
+                      {"max_batch", nccl->max_batch},
+                      {"makespan", nccl->makespan},
+                      {"bubble_fraction", nccl->bubble_fraction.value()},
+                      {"bubble_fraction_exact", nccl->bubble_fraction.str()}});
   }
   // Only when asked for: without CP or sizes the report is what it always was.
   if (a.cp > 1) {
@@ -173,6 +180,7 @@ nlohmann::json report_json(const Args& a, mp::ScheduleKind kind, const mp::Simul
 }
 
 void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationResult& sim,
+                   const megatorch::comm::NcclCheckReport& channels,
                    const std::optional<mp::NcclOrderReport>& nccl, const std::vector<int64_t>& sends) {
   const std::optional<mp::Ratio> formula = published_bubble(a, kind);
   std::printf("schedule %s: %lld stages, %lld micro-batches, %lld chunk(s) per stage\n", mp::schedule_kind_name(kind),
@@ -205,11 +213,12 @@ void print_summary(const Args& a, mp::ScheduleKind kind, const mp::SimulationRes
   }
   if (a.v > 1) std::printf("(in flight counts chunk activations: one chunk is 1/%lld of a stage)\n",
                            static_cast<long long>(a.v));
-  if (!nccl) {
-    std::printf("NCCL p2p: not run: %s\n", mp::nccl_refusal(kind).c_str());
-  } else {
-    std::printf("NCCL p2p: %lld batches of at most %lld ops (%lld ops, receives posted %s): no deadlock, no "
-                "mismatch; bubble when sends wait for their receivers %s = %.4f\n",
+  std::printf("NCCL p2p: %lld ops on %lld channel communicators: no deadlock, no mismatch\n",
+              static_cast<long long>(channels.transfers), static_cast<long long>(mp::num_p2p_channels(a.v, mp::chunk_layout(kind))));
+  if (nccl) {
+    std::printf("on one communicator in batches (Megatron's posting): %lld batches of at most %lld ops (%lld ops, "
+                "receives posted %s): no deadlock, no mismatch; bubble when sends wait for their receivers %s = "
+                "%.4f\n",
                 static_cast<long long>(nccl->batches), static_cast<long long>(nccl->max_batch),
                 static_cast<long long>(nccl->ops), mp::recv_posting_name(mp::recv_posting(kind)),
                 nccl->bubble_fraction.str().c_str(), nccl->bubble_fraction.value());
@@ -237,10 +246,12 @@ int run(const Args& a) {
   mp::SimulatorOptions costs = a.costs;
   costs.record_timeline = !a.svg.empty() || a.list_actions;
   const mp::SimulationResult sim = mp::simulate(lists, a.m, a.v, costs, mp::chunk_layout(kind));
-  // Throws, naming ranks and actions, if the executor's batches would deadlock on NCCL;
-  // none for a schedule the executor refuses to post there.
+  // Throw, naming ranks and ops, if the executor's channels or the batches would deadlock
+  // on NCCL. One communicator cannot carry the V's crossing streams: no batches for it.
+  const megatorch::comm::NcclCheckReport channels =
+      megatorch::comm::check_nccl_semantics(mp::channel_traces(kind, a.p, a.m, a.v));
   std::optional<mp::NcclOrderReport> nccl;
-  if (mp::nccl_refusal(kind).empty()) nccl = mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs);
+  if (mp::chunk_layout(kind) == mp::ChunkLayout::kLooped) nccl = mp::verify_schedule_nccl_order(kind, a.p, a.m, a.v, costs);
   if (!a.svg.empty()) {
     std::vector<mp::TimelineRecord> records;
     for (size_t r = 0; r < sim.ranks.size(); ++r)
@@ -257,10 +268,10 @@ int run(const Args& a) {
     mp::write_timeline_svg(a.svg, records, svg);
   }
   if (a.json) {
-    std::cout << report_json(a, kind, sim, nccl, sends).dump() << std::endl;
+    std::cout << report_json(a, kind, sim, channels, nccl, sends).dump() << std::endl;
     return 0;
   }
-  print_summary(a, kind, sim, nccl, sends);
+  print_summary(a, kind, sim, channels, nccl, sends);
   if (a.list_actions) {
     for (size_t r = 0; r < sim.ranks.size(); ++r) {
       std::printf("rank %zu:\n", r);

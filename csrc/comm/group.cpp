@@ -22,6 +22,10 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
+const char* reduce_op_name(ReduceOp op) {
+  return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kAvg ? "avg" : "max";
+}
+
 int64_t normalize_dim(int64_t dim, const at::Tensor& t, const char* what) {
   const int64_t nd = t.dim();
   MEGATORCH_CHECK(nd > 0 && dim >= -nd && dim < nd, what, ": expected dim in [", -nd, ", ", nd,
@@ -54,6 +58,7 @@ Work::Work(std::vector<c10::intrusive_ptr<c10d::Work>> works, CollectiveInfo inf
 
 at::Tensor Work::wait() {
   if (waited_) return result_;
+  detail::trace_wait(trace_handle_);
   for (auto& work : works_) {
     try {
       work->wait(info_.timeout);
@@ -94,6 +99,30 @@ std::string Group::backend_for(const at::Tensor& t) const {
   return pg_->getBackend(t.device().type())->getBackendName();
 }
 
+int64_t Group::trace(CommOp op, const at::Tensor& t, const std::string& extra, bool batch,
+                     std::vector<TracedTransfer> transfers) const {
+  if (!nccl_check_enabled()) return -1;
+  TracedOp o;
+  // A group carries CPU tensors on Gloo and CUDA tensors on NCCL: two communicators.
+  o.comm = comm_identity(*pg_, name_) + "/" + backend_for(t);
+  o.group = name_;
+  o.group_rank = rank_;
+  o.group_size = size_;
+  o.op = op;
+  o.batch = batch;
+  o.transfers = std::move(transfers);
+  if (o.transfers.empty()) {
+    o.signature = std::string(c10::toString(t.scalar_type())) + "x" + std::to_string(t.numel());
+    if (!extra.empty()) o.signature += "," + extra;
+  }
+  return detail::trace_op(std::move(o));
+}
+
+Work Group::traced(Work work, int64_t handle) const {
+  work.set_trace_handle(handle);
+  return work;
+}
+
 CollectiveInfo Group::begin(CommOp op, int64_t bytes, const std::string& backend) const {
   CollectiveInfo info;
   info.group = name_;
@@ -122,12 +151,13 @@ Work Group::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
   opts.reduceOp = to_c10d(emulate_avg ? ReduceOp::kSum : op);
   opts.timeout = timeout_;
   std::vector<at::Tensor> bufs{buf};
+  const int64_t handle = trace(CommOp::kAllReduce, buf, reduce_op_name(op));
   auto work = pg_->allreduce(bufs, opts);
   at::Tensor target = tensor;
-  return Work(work, info, [buf, target]() mutable {
+  return traced(Work(work, info, [buf, target]() mutable {
     if (!buf.is_same(target)) target.copy_(buf);
     return target;
-  });
+  }), handle);
 }
 
 at::Tensor Group::all_reduce(at::Tensor& tensor, ReduceOp op) { return all_reduce_async(tensor, op).wait(); }
@@ -147,11 +177,12 @@ Work Group::all_gather_async(const at::Tensor& input, int64_t dim) {
   at::Tensor flat = at::empty(concatenated, in.options());
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
+  const int64_t handle = trace(CommOp::kAllGather, in, "");
   auto work = pg_->_allgather_base(flat, in, opts);
   const int64_t size = size_;
-  return Work(work, info, [flat, dim, size]() {
+  return traced(Work(work, info, [flat, dim, size]() {
     return dim == 0 ? flat : flat.unflatten(0, {size, -1}).movedim(0, dim).flatten(dim, dim + 1);
-  });
+  }), handle);
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input, int64_t dim) { return all_gather_async(input, dim).wait(); }
@@ -165,6 +196,7 @@ Work Group::reduce_scatter_async(const at::Tensor& input, int64_t dim, ReduceOp 
   if (size_ == 1) return Work(input.clone());
   const std::string backend = backend_for(input);
   auto info = begin(CommOp::kReduceScatter, input.nbytes(), backend);
+  const int64_t handle = trace(CommOp::kReduceScatter, input, reduce_op_name(op));
   const int64_t chunk = input.size(dim) / size_;
   c10d::ReduceScatterOptions rs_opts;
   rs_opts.timeout = timeout_;
@@ -175,7 +207,7 @@ Work Group::reduce_scatter_async(const at::Tensor& input, int64_t dim, ReduceOp 
     // another dim one copy that moves the chunk index to the front.
     at::Tensor flat = input.unflatten(dim, {size_, chunk}).movedim(dim, 0).contiguous();
     auto work = pg_->_reduce_scatter_base(out, flat, rs_opts);
-    return Work(work, info, [out, flat]() { return out; });
+    return traced(Work(work, info, [out, flat]() { return out; }), handle);
   }
   // Gloo has no reduce-scatter: all-reduce the whole input, keep this rank's chunk. The
   // counters record the logical reduce-scatter (its input bytes), not the emulation.
@@ -190,7 +222,9 @@ Work Group::reduce_scatter_async(const at::Tensor& input, int64_t dim, ReduceOp 
   auto work = pg_->allreduce(bufs, opts);
   const int64_t start = rank_ * chunk;
   // A fresh tensor, not a view into buf: results never carry a storage offset.
-  return Work(work, info, [buf, dim, start, chunk]() { return buf.narrow(dim, start, chunk).clone(at::MemoryFormat::Contiguous); });
+  return traced(Work(work, info, [buf, dim, start, chunk]() {
+    return buf.narrow(dim, start, chunk).clone(at::MemoryFormat::Contiguous);
+  }), handle);
 }
 
 at::Tensor Group::reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op) {
@@ -215,14 +249,15 @@ Work Group::all_to_all_async(const at::Tensor& input, int64_t split_dim, int64_t
   std::vector<int64_t> equal_splits;  // empty: equal splits
   c10d::AllToAllOptions opts;
   opts.timeout = timeout_;
+  const int64_t handle = trace(CommOp::kAllToAll, in, "");
   auto work = pg_->alltoall_base(out, in, equal_splits, equal_splits, opts);
   const int64_t n = size_;
-  return Work(work, info, [out, in, n, split_dim, concat_dim]() {
+  return traced(Work(work, info, [out, in, n, split_dim, concat_dim]() {
     std::vector<at::Tensor> pieces;
     pieces.reserve(n);
     for (int64_t j = 0; j < n; ++j) pieces.push_back(out.select(0, j).movedim(0, split_dim));
     return at::cat(pieces, concat_dim);
-  });
+  }), handle);
 }
 
 at::Tensor Group::all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim) {
@@ -255,8 +290,10 @@ at::Tensor Group::all_to_all_rows(const at::Tensor& input, const std::vector<int
   std::vector<int64_t> out_splits(recv_rows.begin(), recv_rows.end()), in_splits(send_rows.begin(), send_rows.end());
   c10d::AllToAllOptions opts;
   opts.timeout = timeout_;
+  // Row counts differ between ranks by design: only the dtype and row width must agree.
+  const int64_t handle = trace(CommOp::kAllToAll, in.narrow(0, 0, 0), "rows of " + std::to_string(row_elems));
   auto work = pg_->alltoall_base(out, in, out_splits, in_splits, opts);
-  return Work(work, info, [out, in]() { return out; }).wait();
+  return traced(Work(work, info, [out, in]() { return out; }), handle).wait();
 }
 
 Work Group::broadcast_async(at::Tensor& tensor, int64_t src) {
@@ -269,12 +306,13 @@ Work Group::broadcast_async(at::Tensor& tensor, int64_t src) {
   opts.rootRank = src;
   opts.timeout = timeout_;
   std::vector<at::Tensor> bufs{buf};
+  const int64_t handle = trace(CommOp::kBroadcast, buf, "root " + std::to_string(src));
   auto work = pg_->broadcast(bufs, opts);
   at::Tensor target = tensor;
-  return Work(work, info, [buf, target]() mutable {
+  return traced(Work(work, info, [buf, target]() mutable {
     if (!buf.is_same(target)) target.copy_(buf);
     return target;
-  });
+  }), handle);
 }
 
 at::Tensor Group::broadcast(at::Tensor& tensor, int64_t src) { return broadcast_async(tensor, src).wait(); }
@@ -296,8 +334,9 @@ Work Group::send_async(const at::Tensor& tensor, int64_t dst, int64_t tag) {
                   ", got ", dst);
   auto info = begin(CommOp::kSend, tensor.nbytes(), backend_for(tensor));
   std::vector<at::Tensor> bufs{p2p_buffer(tensor, /*send=*/true)};
+  const int64_t handle = trace(CommOp::kSend, tensor, "", false, {{true, dst, tag, static_cast<int64_t>(tensor.nbytes())}});
   auto work = pg_->send(bufs, static_cast<int>(dst), static_cast<int>(tag));
-  return Work(work, info, nullptr);
+  return traced(Work(work, info, nullptr), handle);
 }
 
 void Group::send(const at::Tensor& tensor, int64_t dst, int64_t tag) { send_async(tensor, dst, tag).wait(); }
@@ -309,17 +348,20 @@ Work Group::recv_async(at::Tensor& tensor, int64_t src, int64_t tag) {
   auto info = begin(CommOp::kRecv, tensor.nbytes(), backend_for(tensor));
   at::Tensor buf = p2p_buffer(tensor, /*send=*/false);
   std::vector<at::Tensor> bufs{buf};
+  const int64_t handle = trace(CommOp::kRecv, tensor, "", false, {{false, src, tag, static_cast<int64_t>(tensor.nbytes())}});
   auto work = pg_->recv(bufs, static_cast<int>(src), static_cast<int>(tag));
   at::Tensor target = tensor;
-  return Work(work, info, [buf, target]() mutable {
+  return traced(Work(work, info, [buf, target]() mutable {
     if (!buf.is_same(target)) target.copy_(buf);
     return target;
-  });
+  }), handle);
 }
 
 at::Tensor Group::recv(at::Tensor& tensor, int64_t src, int64_t tag) { return recv_async(tensor, src, tag).wait(); }
 
 bool Group::coalesces(c10::DeviceType device) const { return pg_->getBackend(device)->supportsCoalescing(); }
+
+bool Group::follows_nccl_rules(c10::DeviceType device) const { return coalesces(device) || nccl_check_enabled(); }
 
 Work Group::batch_p2p(const std::vector<P2POp>& ops) {
   if (ops.empty()) return Work();
@@ -340,6 +382,12 @@ Work Group::batch_p2p(const std::vector<P2POp>& ops) {
     detail << (i ? ", " : " ") << (send ? "send to " : "recv from ") << op.peer << " tag " << op.tag;
   }
   detail << ")";
+  // On NCCL the batch is one group whatever the backend here: traced as one op.
+  std::vector<TracedTransfer> transfers;
+  for (const P2POp& op : ops)
+    transfers.push_back({op.kind == P2POp::Kind::kSend, op.peer, op.tag, static_cast<int64_t>(op.tensor.nbytes())});
+  const int64_t handle = trace(ops.front().kind == P2POp::Kind::kSend ? CommOp::kSend : CommOp::kRecv,
+                               ops.front().tensor, "", true, std::move(transfers));
   const auto backend = pg_->getBackend(device);
   const bool coalesce = coalesces(device);
   const std::string backend_name = backend->getBackendName();
@@ -386,7 +434,7 @@ Work Group::batch_p2p(const std::vector<P2POp>& ops) {
     };
   }
   for (auto& [buf, target] : copy_back) keep_alive.push_back(target);
-  return Work(std::move(works), info, std::move(finish), std::move(keep_alive));
+  return traced(Work(std::move(works), info, std::move(finish), std::move(keep_alive)), handle);
 }
 
 void Group::barrier() {
@@ -394,7 +442,8 @@ void Group::barrier() {
   auto info = begin(CommOp::kBarrier, 0, pg_->getBackendName());
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
-  Work(pg_->barrier(opts), info, nullptr).wait();
+  const int64_t handle = trace(CommOp::kBarrier, at::empty({0}), "");
+  traced(Work(pg_->barrier(opts), info, nullptr), handle).wait();
 }
 
 void reduce_flattened(const std::vector<at::Tensor>& tensors, const std::function<void(at::Tensor&)>& reduce) {

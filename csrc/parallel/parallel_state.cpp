@@ -27,6 +27,8 @@ std::atomic<int64_t>& instance_counter() {
   return n;
 }
 
+}  // namespace
+
 c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(env.master_port);
@@ -49,6 +51,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono:
   }
   return store;
 }
+
+namespace {
 
 // The device and its backend (device_selection.h), and the current CUDA device set.
 DeviceChoice select_device(const ParallelStateOptions& o, int64_t local_rank, int64_t local_world_size) {
@@ -110,8 +114,8 @@ void ParallelState::build_groups() {
                     "destroy the ParallelState that made it first, or give this one another name with "
                     "ParallelStateOptions().name(...)");
   }
-  const auto root = c10::make_intrusive<c10d::PrefixStore>(
-      "megatorch/" + std::to_string(instance_counter().fetch_add(1)) + "/", store_);
+  const std::string instance = "megatorch/" + std::to_string(instance_counter().fetch_add(1)) + "/";
+  const auto root = c10::make_intrusive<c10d::PrefixStore>(instance, store_);
   // Same kind order on every rank: each group's members rendezvous together.
   for (auto it = kAllKinds.begin(); it != kAllKinds.end(); ++it) {
     const GroupKind kind = *it;
@@ -131,10 +135,13 @@ void ParallelState::build_groups() {
     }
     const int64_t index = layout_.group_index(kind, rank_);
     const int64_t group_rank = std::find(ranks_[k].begin(), ranks_[k].end(), rank_) - ranks_[k].begin();
-    auto group_store = c10::make_intrusive<c10d::PrefixStore>(
-        std::string(group_kind_name(kind)) + "/" + std::to_string(index) + "/", root);
+    const std::string prefix = std::string(group_kind_name(kind)) + "/" + std::to_string(index) + "/";
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix, root);
+    // The description tells this group instance from the same name's other groups (each
+    // rank's "<name>.tp" is its own TP group) and from earlier states of the same name.
     groups_[k] = make_process_group(group_store, group_rank, static_cast<int64_t>(ranks_[k].size()), names_[k],
-                                    choice_.device, choice_.backend, options_.timeout());
+                                    choice_.device, choice_.backend, options_.timeout(),
+                                    names_[k] + "@" + instance + prefix);
     c10d::register_process_group(names_[k], groups_[k]);
   }
 }

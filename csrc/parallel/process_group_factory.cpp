@@ -19,7 +19,8 @@ namespace megatorch::parallel {
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                           int64_t rank, int64_t size, const std::string& name,
                                                           const c10::Device& device, const std::string& cuda_backend,
-                                                          std::chrono::milliseconds timeout) {
+                                                          std::chrono::milliseconds timeout,
+                                                          const std::string& desc) {
   using BT = c10d::ProcessGroup::BackendType;
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, static_cast<int>(rank), static_cast<int>(size));
 
@@ -56,7 +57,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_p
 #endif
   }
   pg->setGroupName(name);
-  pg->setGroupDesc(name);
+  pg->setGroupDesc(desc.empty() ? name : desc);
   return pg;
 }
 

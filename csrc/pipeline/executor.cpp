@@ -16,24 +16,17 @@
 #include "megatorch/moe/moe_layer.h"
 #include "megatorch/pipeline/compute_timer.h"
 #include "megatorch/pipeline/p2p_batches.h"
+#include "megatorch/pipeline/p2p_channels.h"
 #include "megatorch/pipeline/split_backward.h"
 
 namespace megatorch::pipeline {
 namespace {
 
 using Key = std::pair<int64_t, int64_t>;  // (micro-batch, chunk)
-// A posted batch, shared by the receives it brings and the sends it carries; waited at
-// most once (waiting again is free).
-using Batch = std::shared_ptr<comm::Work>;
+// A posted send or receive, shared by its ChunkState and the step's list; waited at most
+// once (waiting again is free).
+using Transfer = std::shared_ptr<comm::Work>;
 
-// A distinct tag per message (kind, micro-batch, receiving virtual stage: p2p_message,
-// which sender and receiver compute alike), so Gloo, which pairs by tag, can never pair
-// the wrong send and receive between two ranks. NCCL ignores tags and pairs by issue
-// order, which the batches' order guarantees (nccl_order_model.h).
-int64_t tag_of(const Action& a, int64_t rank, int64_t p, int64_t v, ChunkLayout layout) {
-  const P2PMessage msg = p2p_message(a, rank, p, layout);
-  return (msg.microbatch * p * v + msg.to_stage) * 2 + (msg.gradient ? 1 : 0);
-}
 
 // Backward from `output` with `grad` through the engine directly: the output's data
 // may have been freed (deallocation), so the usual shape check must not run.
@@ -46,7 +39,7 @@ void backward_from(const at::Tensor& output, const at::Tensor& grad) {
 
 // A receive a batch posted and no compute has consumed yet.
 struct PendingRecv {
-  Batch work;         // null: none posted
+  Transfer work;      // null: none posted
   at::Tensor buffer;  // filled once `work` completes
 };
 
@@ -77,6 +70,8 @@ class StepRun {
 
   PipelineStepResult run() {
     MEGATORCH_CHECK(m_ >= 1, "pipeline: expected at least one micro-batch");
+    MEGATORCH_CHECK(options_.recv_lookahead() >= 1, "pipeline: expected recv_lookahead >= 1 (receives posted ahead ",
+                    "per channel), got ", options_.recv_lookahead());
     const ScheduleKind kind = options_.schedule();
     MEGATORCH_CHECK(layout_ == chunk_layout(kind), "pipeline: the ", schedule_kind_name(kind), " schedule places ",
                     "chunks in the ", chunk_layout_name(chunk_layout(kind)), " layout, but the stage was built in the ",
@@ -95,89 +90,96 @@ class StepRun {
     backwards_left_ = std::count_if(actions.begin(), actions.end(), [](const Action& a) {
       return is_compute(a.kind) && a.kind != ActionKind::kForward;
     });
-    if (p_ > 1) {
-      pp_ = std::make_unique<comm::Group>(stage_.pipeline_group());
-      const std::string refusal = nccl_refusal(kind);
-      MEGATORCH_CHECK(refusal.empty() || !pp_->coalesces(device_.type()), "pipeline: ", refusal);
-    }
     // The stage refuses batches it cannot run and sizes what travels between stages,
     // before any p2p.
     stage_.prepare(mbs_);
+    if (p_ > 1) {
+      pp_ = std::make_unique<comm::Group>(stage_.pipeline_group());
+      if (pp_->follows_nccl_rules(device_.type())) {
+        for (const auto& name : p2p_channel_groups(stage_.pipeline_group(), num_p2p_channels(v_, layout_)))
+          channels_.emplace_back(name);
+      }
+    }
 
     // Forward only builds no graph: nothing is kept for a backward.
     std::optional<at::NoGradGuard> no_grad;
     if (options_.forward_only()) no_grad.emplace();
-    // Transfers go out in the schedule's batches (p2p_batches.h): on NCCL each batch is one
-    // group, which is what keeps the 1F1B steady state and the interleaved schedule from
-    // deadlocking; on Gloo the same ops are posted one by one with their tags.
+    if (!channels_.empty()) {
+      // NCCL's rules: each transfer alone on its channel, receives posted ahead (p2p_channels.h).
+      const ChannelPlan plan = channel_plan(actions, rank_, p_, v_, layout_, options_.recv_lookahead());
+      for (size_t i = 0; i < plan.computes.size(); ++i) {
+        for (const Action& a : plan.posts[i]) post(a);
+        compute(plan.computes[i]);
+      }
+      for (const Action& a : plan.posts.back()) post(a);
+      return finish();
+    }
+    // Gloo: each transfer alone, with its tag, in the order of the schedule's p2p steps.
     for (const P2PStep& step : p2p_steps(actions, rank_, p_, recv_posting(kind), layout_)) {
       if (step.is_batch()) {
-        post(step.batch);
-      } else if (step.compute.kind == ActionKind::kForward) {
-        forward(step.compute);
-      } else if (step.compute.kind == ActionKind::kBackwardWeight) {
-        backward_weight(step.compute);
+        for (const Action& a : step.batch) post(a);
       } else {
-        backward(step.compute);  // whole, or a split backward's B
+        compute(step.compute);
       }
     }
     return finish();
   }
 
  private:
-  // Posts one batch of sends and receives; the receives' buffers wait in their ChunkState.
-  void post(const std::vector<Action>& batch) {
-    std::vector<comm::P2POp> ops;
-    ops.reserve(batch.size());
-    for (const Action& a : batch) {
-      comm::P2POp op;
-      op.peer = a.peer;
-      op.tag = tag_of(a, rank_, p_, v_, layout_);
-      switch (a.kind) {
-        case ActionKind::kRecvActivation:
-        case ActionKind::kRecvGrad: {
-          // An activation comes from the virtual stage before ours; a gradient is of our output.
-          const int64_t vs = stage_.virtual_stage(a.chunk);
-          const ActivationSpec spec = stage_.activation_spec(a.kind == ActionKind::kRecvActivation ? vs - 1 : vs);
-          op.kind = comm::P2POp::Kind::kRecv;
-          op.tensor = at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype).device(device_));
-          break;
-        }
-        case ActionKind::kSendActivation:
-          op.tensor = chunks_.at(key_of(a)).output.detach();
-          break;
-        case ActionKind::kSendGrad: {
-          const at::Tensor& input = chunks_.at(key_of(a)).input;
-          MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
-                          " chunk ", a.chunk, "; the stage's output does not depend on its input");
-          op.tensor = input.grad();  // the batch's Work keeps it alive until sent
-          break;
-        }
-        default:
-          MEGATORCH_FAIL("pipeline: expected only sends and receives in a p2p batch, got ", to_string(a));
-      }
-      ops.push_back(std::move(op));
-    }
-    // One Work per op where the backend does not coalesce (Gloo): a compute then waits
-    // for its own receive only, not for the batch's sends to be taken up too.
-    std::vector<Batch> works;
-    if (pp_->coalesces(device_.type())) {
-      works.assign(ops.size(), std::make_shared<comm::Work>(pp_->batch_p2p(ops)));
+  void compute(const Action& a) {
+    if (a.kind == ActionKind::kForward) {
+      forward(a);
+    } else if (a.kind == ActionKind::kBackwardWeight) {
+      backward_weight(a);
     } else {
-      for (const auto& op : ops) works.push_back(std::make_shared<comm::Work>(pp_->batch_p2p({op})));
+      backward(a);  // whole, or a split backward's B
     }
-    batches_.insert(batches_.end(), works.begin(), works.end());
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Action& a = batch[i];
-      if (is_recv(a.kind)) {
-        ChunkState& st = state(a);
-        (a.kind == ActionKind::kRecvActivation ? st.activation : st.grad) = PendingRecv{works[i], ops[i].tensor};
-      } else if (a.kind == ActionKind::kSendActivation) {
-        if (options_.forward_only()) {
-          chunks_.erase(key_of(a));  // no backward needs it; the Work holds the tensor until sent
-        } else {
-          pending_sends_.emplace_back(works[i], key_of(a));
-        }
+  }
+
+  // Posts one send or receive (on its channel where NCCL's rules apply, else on the PP
+  // group with its tag); a receive's buffer waits in its ChunkState.
+  void post(const Action& a) {
+    const P2PMessage msg = p2p_message(a, rank_, p_, layout_);
+    comm::P2POp op;
+    op.peer = a.peer;
+    op.tag = p2p_tag(msg, p_, v_);
+    switch (a.kind) {
+      case ActionKind::kRecvActivation:
+      case ActionKind::kRecvGrad: {
+        // An activation comes from the virtual stage before ours; a gradient is of our output.
+        const int64_t vs = stage_.virtual_stage(a.chunk);
+        const ActivationSpec spec = stage_.activation_spec(a.kind == ActionKind::kRecvActivation ? vs - 1 : vs);
+        op.kind = comm::P2POp::Kind::kRecv;
+        op.tensor = at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype).device(device_));
+        break;
+      }
+      case ActionKind::kSendActivation:
+        op.tensor = chunks_.at(key_of(a)).output.detach();
+        break;
+      case ActionKind::kSendGrad: {
+        const at::Tensor& input = chunks_.at(key_of(a)).input;
+        MEGATORCH_CHECK(input.grad().defined(), "pipeline: no input gradient for micro-batch ", a.microbatch,
+                        " chunk ", a.chunk, "; the stage's output does not depend on its input");
+        op.tensor = input.grad();  // the Work keeps it alive until sent
+        break;
+      }
+      default:
+        MEGATORCH_FAIL("pipeline: expected a send or a receive, got ", to_string(a));
+    }
+    // Alone, not in a batch_p2p group: on NCCL c10d then runs it on its pair's own stream.
+    comm::Group& group = channels_.empty() ? *pp_ : channels_[p2p_channel(msg, p_, v_, layout_)];
+    const Transfer work = std::make_shared<comm::Work>(op.kind == comm::P2POp::Kind::kSend
+                                                           ? group.send_async(op.tensor, op.peer, op.tag)
+                                                           : group.recv_async(op.tensor, op.peer, op.tag));
+    transfers_.push_back(work);
+    if (is_recv(a.kind)) {
+      ChunkState& st = state(a);
+      (a.kind == ActionKind::kRecvActivation ? st.activation : st.grad) = PendingRecv{work, op.tensor};
+    } else if (a.kind == ActionKind::kSendActivation) {
+      if (options_.forward_only()) {
+        chunks_.erase(key_of(a));  // no backward needs it; the Work holds the tensor until sent
+      } else {
+        pending_sends_.emplace_back(work, key_of(a));
       }
     }
   }
@@ -307,7 +309,7 @@ class StepRun {
 
   PipelineStepResult finish() {
     free_sent_outputs(true);
-    for (auto& batch : batches_) batch->wait();
+    for (auto& transfer : transfers_) transfer->wait();
     if (options_.time_compute()) {  // reading device events waits for the device
       const auto spans = timer_.finish();
       for (size_t i = 0; i < timed_.size(); ++i)
@@ -354,8 +356,9 @@ class StepRun {
   const c10::Device device_;
   std::unique_ptr<comm::Group> pp_;
   std::map<Key, ChunkState> chunks_;
-  std::vector<Batch> batches_;                        // all of them, waited at the end of the step
-  std::vector<std::pair<Batch, Key>> pending_sends_;  // outputs freed once their batch is done
+  std::vector<comm::Group> channels_;                     // where NCCL's rules apply: one per channel
+  std::vector<Transfer> transfers_;                       // all of them, waited at the end of the step
+  std::vector<std::pair<Transfer, Key>> pending_sends_;  // outputs freed once their send is done
   at::Tensor loss_sum_;
   int64_t backwards_left_ = 0;
   int64_t stashed_ = 0;  // outputs held for a backward

@@ -34,6 +34,10 @@ P2PMessage p2p_message(const Action& a, int64_t rank, int64_t p, ChunkLayout lay
   return msg;
 }
 
+int64_t p2p_tag(const P2PMessage& message, int64_t p, int64_t v) {
+  return (message.microbatch * p * v + message.to_stage) * 2 + (message.gradient ? 1 : 0);
+}
+
 std::string to_string(const P2PMessage& message) {
   std::ostringstream os;
   os << (message.gradient ? "gradient" : "activation") << " of mb " << message.microbatch << " for virtual stage "
@@ -43,14 +47,6 @@ std::string to_string(const P2PMessage& message) {
 
 RecvPosting recv_posting(ScheduleKind kind) {
   return kind == ScheduleKind::kInterleaved ? RecvPosting::kAfterPreviousSameDirection : RecvPosting::kBeforeConsumer;
-}
-
-std::string nccl_refusal(ScheduleKind kind) {
-  if (chunk_layout(kind) != ChunkLayout::kV) return "";
-  return std::string("the ") + schedule_kind_name(kind) +
-         " schedule sends each pair of ranks its two chunks' activations and gradients in another order than the "
-         "receiver takes them, which NCCL (pairing sends and receives by issue order) cannot deliver; run it on "
-         "Gloo ranks, or use --schedule zb-h1 or interleaved on GPUs";
 }
 
 const char* recv_posting_name(RecvPosting posting) {

@@ -3,11 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <map>
-#include <tuple>
 
 #include "megatorch/check.h"
-#include "megatorch/pipeline/nccl_order_model.h"
 
 namespace megatorch::plan {
 
@@ -334,22 +331,6 @@ PipelineCosts pipeline_costs(const ModelSpec& m, const Layout& l, const Cluster&
   return pc;
 }
 
-namespace {
-
-// zb-h1's bubble under the executor's NCCL batches (nccl_order_model.h), memoised: a
-// search asks for the same pipeline and ticks for many layouts.
-double nccl_bubble_fraction(int64_t p, int64_t m, const pipeline::SimulatorOptions& o) {
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
-  thread_local std::map<Key, double> memo;
-  const Key key{p, m, o.forward_cost, o.backward_input_cost, o.backward_weight_cost};
-  if (auto it = memo.find(key); it != memo.end()) return it->second;
-  const double b =
-      pipeline::verify_schedule_nccl_order(pipeline::ScheduleKind::kZeroBubbleH1, p, m, 1, o).bubble_fraction.value();
-  return memo.emplace(key, b).first->second;
-}
-
-}  // namespace
-
 TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_batch, const Cluster& c,
                            const Calibration& k, const CostOptions& o) {
   const PipelineCosts pc = pipeline_costs(m, l, c, k, o);
@@ -376,11 +357,9 @@ TimeBreakdown predict_time(const ModelSpec& m, const Layout& l, int64_t global_b
   // busy) turns the busy seconds into the makespan.
   const pipeline::RankReport& first = sim.ranks.front();
   t.simulated_bubble_fraction = first.bubble.value();
-  // NCCL holds zb-h1's B sends until the receiver gets there (the order model's bubble);
-  // Gloo never holds a send, so there the simulator's bubble is the executor's.
-  t.bubble_fraction = schedule_of(l) == pipeline::ScheduleKind::kZeroBubbleH1 && l.backend == DistributedBackend::kNccl
-                          ? nccl_bubble_fraction(l.pp, l.num_microbatches(global_batch), pc.options)
-                          : t.simulated_bubble_fraction;
+  // On NCCL the executor posts each transfer alone on its channel (pipeline/p2p_channels.h):
+  // a send holds no compute, so there too the simulator's bubble is the executor's.
+  t.bubble_fraction = t.simulated_bubble_fraction;
   const double busy = mb * static_cast<double>(model_chunks(l)) * (pc.chunk_forward + pc.chunk_backward);
   t.bubble = busy * t.bubble_fraction;
   t.pipeline = busy + t.bubble;

@@ -155,8 +155,7 @@ int64_t head_rank(const Layout& l) {
   return pipeline::rank_of_virtual_stage(l.pp * model_chunks(l) - 1, l.pp, chunk_layout_of(l));
 }
 
-std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage,
-                           DistributedBackend backend) {
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage) {
   using pipeline::ScheduleKind;
   const bool split = pipeline::splits_backward(kind);
   const bool v_shape = pipeline::chunk_layout(kind) == pipeline::ChunkLayout::kV;
@@ -165,9 +164,6 @@ std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp,
   if (kind == ScheduleKind::kGPipe)
     os << "the planner models the 1f1b, interleaved, zb-h1, zb-v and dualpipev schedules, got gpipe (it holds every "
           "micro-batch's activations for 1f1b's bubble); use --schedule 1f1b";
-  else if (v_shape && backend == DistributedBackend::kNccl)
-    os << "the executor refuses " << name << " on NCCL (--distributed-backend nccl): " << pipeline::nccl_refusal(kind)
-       << ". Plan it with --distributed-backend gloo, or plan --schedule zb-h1 on NCCL";
   else if ((kind == ScheduleKind::kOneFOneB || kind == ScheduleKind::kZeroBubbleH1) && vpp > 1)
     os << "the " << name << " schedule runs one model chunk per stage: expected VP=1, "
        << "got VP=" << vpp << "; use --schedule interleaved for virtual stages, or "
@@ -219,7 +215,7 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
     os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
   else if (l.vpp > 1 && l.pp == 1)
     os << "virtual pipeline stages need PP > 1";
-  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp, l.zero_stage, l.backend); !e.empty())
+  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp, l.zero_stage); !e.empty())
     os << e;
   else if (chunk_layout_of(l) == pipeline::ChunkLayout::kV && m.num_layers % (2 * l.pp))
     os << "the " << pipeline::schedule_kind_name(schedule_of(l)) << " schedule splits the model into 2 x PP = "

@@ -152,7 +152,7 @@ PlanResult plan(const PlanRequest& r) {
     // A fixed schedule against the fixed knobs, named before any layout is tried; the searched
     // VP sizes are those it runs with (2 stages and ZeRO 0 stand in for unfixed ones).
     const auto conflict = [&](int64_t v) {
-      return schedule_error(*r.schedule, r.pp.value_or(2), v, r.zero_stage.value_or(0), r.backend);
+      return schedule_error(*r.schedule, r.pp.value_or(2), v, r.zero_stage.value_or(0));
     };
     vpps.erase(std::remove_if(vpps.begin(), vpps.end(), [&](int64_t v) { return !conflict(v).empty(); }), vpps.end());
     const std::string e = conflict(r.vpp.value_or(vpps.empty() ? 1 : vpps.front()));
@@ -165,11 +165,10 @@ PlanResult plan(const PlanRequest& r) {
       r.recompute ? std::vector<Recompute>{*r.recompute}
                   : std::vector<Recompute>{Recompute::kNone, Recompute::kSelective, Recompute::kFull};
 
-  // Searched: 1F1B (interleaved at VP > 1, schedule_of) and next to it zb-h1, and on Gloo
-  // zb-v and dualpipev (the executor refuses them on NCCL).
-  std::vector<ScheduleKind> kinds{ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1};
-  if (r.backend == DistributedBackend::kGloo)
-    kinds.insert(kinds.end(), {ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV});
+  // Searched: 1F1B (interleaved at VP > 1, schedule_of) and next to it zb-h1, zb-v and
+  // dualpipev, on either backend.
+  std::vector<ScheduleKind> kinds{ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleV,
+                                  ScheduleKind::kDualPipeV};
   if (r.schedule) kinds = {*r.schedule};
   PlanResult result;
   std::map<SimKey, pipeline::SimulationResult> cache;

@@ -83,11 +83,6 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                     .backend(o.backend());
   if (o.timeout().count() > 0 && !std::getenv("MEGATORCH_COMM_TIMEOUT_S")) pstate.timeout(o.timeout());
   state_ = std::make_unique<parallel::ParallelState>(pstate);
-  // Refused here, on every rank alike, rather than at the first step's transfers.
-  const std::string refusal = pipeline::nccl_refusal(schedule_kind_);
-  MEGATORCH_CHECK(refusal.empty() || state_->pp_size() == 1 ||
-                      !comm::Group(pp_group()).coalesces(state_->device().type()),
-                  "TrainingLoop: ", refusal);
   at::manual_seed(o.seed());
   lr_ = LRSchedule{o.lr(), o.min_lr(), o.lr_warmup_iters(), o.lr_decay_iters() > 0 ? o.lr_decay_iters() : o.train_iters(),
                    o.lr_decay_style()};

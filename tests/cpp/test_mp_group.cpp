@@ -105,10 +105,19 @@ TEST_CASE("broadcast, send/recv ring, barrier, async handles", "[mp]") {
   auto b = torch::full({5}, r == n - 1 ? 42.0 : -1.0);
   g.broadcast(b, n - 1);
   CHECK(torch::equal(b, torch::full({5}, 42.0)));
-  // Ring: each rank sends its rank to the next. Post the receive first (non-blocking).
+  // Ring: each rank sends its rank to the next. Even ranks send first, odd ones receive
+  // first: at n = 2 both ends share one connection, where NCCL runs ops in issue order and
+  // two receives posted first would wait for each other's sends forever.
   auto inbox = torch::empty({3});
-  auto recv = g.recv_async(inbox, (r + n - 1) % n);
-  auto send = g.send_async(torch::full({3}, static_cast<double>(r)), (r + 1) % n);
+  const auto out = torch::full({3}, static_cast<double>(r));
+  megatorch::comm::Work recv, send;
+  if (r % 2 == 0) {
+    send = g.send_async(out, (r + 1) % n);
+    recv = g.recv_async(inbox, (r + n - 1) % n);
+  } else {
+    recv = g.recv_async(inbox, (r + n - 1) % n);
+    send = g.send_async(out, (r + 1) % n);
+  }
   send.wait();
   CHECK(torch::equal(recv.wait(), torch::full({3}, static_cast<double>((r + n - 1) % n))));
   auto x = torch::ones({8});

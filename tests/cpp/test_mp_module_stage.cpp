@@ -158,12 +158,12 @@ TEST_CASE("a user's model in its own chunks gives the single-rank loss and gradi
           });
         }
         auto stage = toy_stage(tpg.name(), ppg.name(), ppn, ppg.rank(), v, o);
-        ppg.reset_stats();
+        pipeline::reset_pipeline_p2p_stats(ppg.name());
         const auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind));
         // [b, h] activations: every transfer moves exactly one.
         int64_t sends = 0;
         for (const auto& a : pipeline::build_schedule(kind, ppn, m, v, ppg.rank())) sends += pipeline::is_send(a.kind);
-        CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * 3 * kHidden * 4);
+        CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kSend].bytes == sends * 3 * kHidden * 4);
         stage->allreduce_tied_grads();
         if (stage->is_last_virtual_stage(v - 1)) {  // rank 0 in a V
           REQUIRE(result.loss.defined());

@@ -56,7 +56,7 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
                                           .pp_group(ppg.name())
                                           .virtual_chunks(v)
                                           .chunk_layout(layout));
-        ppg.reset_stats();
+        pipeline::reset_pipeline_p2p_stats(ppg.name());
         auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind));
         // The batches count one send or recv per transfer of the schedule, one activation each.
         int64_t sends = 0, recvs = 0;
@@ -66,10 +66,10 @@ TEST_CASE("pipeline schedules give the single-stage loss and gradients", "[mp][p
         }
         const auto act = stage->activation_shape(2);
         const int64_t act_bytes = act[0] * act[1] * act[2] * 4;
-        CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].calls == sends);
-        CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * act_bytes);
-        CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].calls == recvs);
-        CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].bytes == recvs * act_bytes);
+        CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kSend].calls == sends);
+        CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kSend].bytes == sends * act_bytes);
+        CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kRecv].calls == recvs);
+        CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kRecv].bytes == recvs * act_bytes);
         stage->allreduce_tied_embedding_grads();
         stage->allreduce_sequence_parallel_grads();
         // The loss is the last virtual stage's: the last rank's, or rank 0's in a V.
@@ -166,7 +166,7 @@ TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradi
                                         .virtual_chunks(v)
                                         .chunk_layout(pipeline::chunk_layout(kind)));
       stage->eval();
-      ppg.reset_stats();
+      pipeline::reset_pipeline_p2p_stats(ppg.name());
       const auto result =
           pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions().schedule(kind).forward_only(true));
       // Only the forwards' transfers, one activation each.
@@ -179,9 +179,9 @@ TEST_CASE("forward only: the single-stage loss over non-ignored tokens, no gradi
       }
       CHECK(forwards == m * v);
       const auto act = stage->activation_shape(2);
-      CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].calls == sends);
-      CHECK(ppg.stats()[megatorch::comm::CommOp::kSend].bytes == sends * act[0] * act[1] * act[2] * 4);
-      CHECK(ppg.stats()[megatorch::comm::CommOp::kRecv].calls == recvs);
+      CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kSend].calls == sends);
+      CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kSend].bytes == sends * act[0] * act[1] * act[2] * 4);
+      CHECK(pipeline::pipeline_p2p_stats(ppg.name())[megatorch::comm::CommOp::kRecv].calls == recvs);
       if (stage->is_last_virtual_stage(v - 1)) {
         REQUIRE(result.loss.defined());
         CHECK_FALSE(result.loss.requires_grad());

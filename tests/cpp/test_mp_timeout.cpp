@@ -11,7 +11,7 @@
 using megatorch::comm::Group;
 using megatorch::parallel::GroupKind;
 
-TEST_CASE("a skipped collective times out with the group, op and sequence number", "[.][timeout]") {
+TEST_CASE("a skipped collective times out with the group, op and sequence number", "[.][timeout][nccl_unchecked]") {
   auto st = mp::state(1, 1, "timeout");
   Group g(*st, GroupKind::kWorld);
   REQUIRE(g.timeout() == std::chrono::milliseconds(3000));

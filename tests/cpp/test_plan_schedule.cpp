@@ -1,7 +1,7 @@
 // megatorch::plan's pipeline schedules: zb-h1 next to 1F1B. Its B and W ticks (W: the chunk's
 // weight GEMMs, 0 under full recompute), its bubble against Qi et al.'s formula, the search
 // choosing it where it is faster and leaving it out where it cannot run or gains nothing;
-// 1F1B and interleaved as before. ZB-V and DualPipeV on Gloo (refused on NCCL): chunks of half
+// 1F1B and interleaved as before. ZB-V and DualPipeV on either backend: chunks of half
 // a stage, the simulator's bubble and in-flight chunks, rank 0 holding the embedding and the
 // head, and what they need.
 #include <catch2/catch.hpp>
@@ -126,19 +126,20 @@ TEST_CASE("zb-h1's W is the chunk's weight GEMMs, B the rest of 1F1B's backward;
   }
 }
 
-TEST_CASE("zb-h1's simulated bubble is Qi et al.'s (p-1)(F+B-W) / (m(F+B+W)), its planned one NCCL's; every stage "
-          "holds min(p, m)", "[plan][schedule]") {
+TEST_CASE("zb-h1's bubble is Qi et al.'s (p-1)(F+B-W) / (m(F+B+W)) on NCCL too; every stage holds min(p, m)",
+          "[plan][schedule]") {
   const PlanRequest r = small_request();
   const Layout zb_layout = pp4(Recompute::kNone, ScheduleKind::kZeroBubbleH1);
   const Candidate zb = evaluate(r, zb_layout), one = evaluate(r, pp4(Recompute::kNone));
   const PipelineCosts pc = pipeline_costs(r.model, zb_layout, r.cluster, r.calibration);
   CHECK(zb.time.simulated_bubble_fraction ==
         pipeline::formula_bubble_fraction(ScheduleKind::kZeroBubbleH1, 4, 32, 1, pc.options).value());
-  // Planned as the executor's NCCL batches run it: at m = 32 > p they hold B's sends and
-  // cost zb-h1 more than its simulated gain, so it loses to 1F1B.
-  CHECK(zb.time.bubble_fraction ==
+  // Planned as the executor's NCCL channels run it (no send holds a compute): the simulated
+  // bubble, below 1F1B's, where Megatron's single-communicator batches would hold B's sends.
+  CHECK(zb.time.bubble_fraction == zb.time.simulated_bubble_fraction);
+  CHECK(zb.time.bubble_fraction < one.time.bubble_fraction);
+  CHECK(zb.time.bubble_fraction <
         pipeline::verify_schedule_nccl_order(ScheduleKind::kZeroBubbleH1, 4, 32, 1, pc.options).bubble_fraction.value());
-  CHECK(zb.time.bubble_fraction > one.time.bubble_fraction);
   CHECK(one.time.bubble_fraction == pipeline::formula_bubble_fraction(ScheduleKind::kOneFOneB, 4, 32, 1).value());
   CHECK(one.time.simulated_bubble_fraction == one.time.bubble_fraction);
   CHECK(zb.time.compute == one.time.compute);  // the same work: B + W is 1F1B's backward
@@ -156,7 +157,7 @@ TEST_CASE("zb-h1's simulated bubble is Qi et al.'s (p-1)(F+B-W) / (m(F+B+W)), it
 }
 
 TEST_CASE("Without recompute at PP > 1 and m = p the planner picks zb-h1 over 1F1B", "[plan][schedule]") {
-  // m = p = 4 micro-batches: no steady state, so NCCL's rendezvous leaves zb-h1 its gain.
+  // m = p = 4 micro-batches: W fills 1F1B's bubble.
   PlanRequest r = pp4_request(8, Recompute::kNone);
   const PlanResult res = plan::plan(r);
   // One layout (DP = 2), under both schedules, both fitting.
@@ -251,9 +252,7 @@ TEST_CASE("Explaining a layout: each schedule at its PP and micro-batches, or wh
   CHECK(choices[2].error.empty());
   CHECK(choices[2].candidate.time.simulated_bubble_fraction ==
         pipeline::formula_bubble_fraction(ScheduleKind::kZeroBubbleH1, 4, 18, 1, choices[2].costs.options).value());
-  CHECK(choices[2].candidate.time.bubble_fraction ==
-        pipeline::verify_schedule_nccl_order(ScheduleKind::kZeroBubbleH1, 4, 18, 1, choices[2].costs.options)
-            .bubble_fraction.value());
+  CHECK(choices[2].candidate.time.bubble_fraction == choices[2].candidate.time.simulated_bubble_fraction);
   // 64: interleaved at VP 2, (p-1)/(v m).
   r.global_batch = 64;
   const auto at64 = schedule_choices(r, pp4(Recompute::kSelective));
@@ -368,27 +367,20 @@ TEST_CASE("In a V rank 0 holds the embedding and the head, the last rank neither
   CHECK(expert_params_per_rank(moe, mv, 0) == 2 * 4 * params_per_expert(moe));
 }
 
-TEST_CASE("zb-v and dualpipev are searched on Gloo only, and each invalid case says why", "[plan][schedule]") {
-  // NCCL, the default: refused, naming the reason and the fix.
+TEST_CASE("zb-v and dualpipev are searched on NCCL and Gloo alike, and each invalid case says why",
+          "[plan][schedule]") {
+  // NCCL, the default: the executor's channels carry the V (pipeline/p2p_channels.h).
   PlanRequest r = pp4_request(64, Recompute::kSelective);
-  Layout nccl = pp4(Recompute::kSelective, ScheduleKind::kZeroBubbleV);
-  CHECK_THAT(layout_error(r.model, nccl, 8, 64),
-             Catch::Contains("refuses zb-v on NCCL") &&
-                 Catch::Contains(pipeline::nccl_refusal(ScheduleKind::kZeroBubbleV)) &&
-                 Catch::Contains("--distributed-backend gloo"));
-  CHECK_THROWS_WITH(evaluate(r, nccl), Catch::Contains("sched=zb-v is not valid"));
+  const Layout nccl = pp4(Recompute::kSelective, ScheduleKind::kZeroBubbleV);
+  CHECK(layout_error(r.model, nccl, 8, 64).empty());
   const PlanResult on_nccl = plan::plan(r);
-  CHECK(on_nccl.considered == 2);  // 1f1b and zb-h1
-  CHECK(count_schedule(on_nccl, ScheduleKind::kZeroBubbleV) + count_schedule(on_nccl, ScheduleKind::kDualPipeV) == 0);
-  const auto refused = schedule_choices(r, on_nccl.ranked[0].layout);
-  REQUIRE(refused.size() == 5);
-  CHECK(refused[3].kind == ScheduleKind::kZeroBubbleV);
-  CHECK(refused[4].kind == ScheduleKind::kDualPipeV);
-  CHECK_THAT(refused[4].error, Catch::Contains("refuses dualpipev on NCCL"));
-  r.schedule = ScheduleKind::kDualPipeV;
-  CHECK_THROWS_WITH(plan::plan(r), Catch::Contains("--schedule dualpipev does not run with the fixed settings") &&
-                                       Catch::Contains("--distributed-backend gloo") &&
-                                       Catch::Contains("--schedule zb-h1"));
+  CHECK(on_nccl.considered == 4);
+  for (ScheduleKind kind : {ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV})
+    CHECK(count_schedule(on_nccl, kind) == 1);
+  Layout v_on_nccl = pp4_v(ScheduleKind::kDualPipeV);
+  v_on_nccl.backend = DistributedBackend::kNccl;
+  CHECK_THAT(gpt_pretrain_flags(r, v_on_nccl),
+             Catch::Contains("--schedule dualpipev") && !Catch::Contains("--distributed-backend"));
 
   // Gloo: all four at VP 1, and zb-h1 timed as the simulator runs it.
   r.schedule.reset();
@@ -458,12 +450,8 @@ TEST_CASE("zb-v and dualpipev are searched on Gloo only, and each invalid case s
   CHECK_THAT(layout_error(m, l, 8, 8), Catch::Contains("expected at least 8 micro-batches per step, got 4") &&
                                            Catch::Contains("raise --global-batch-size to 16"));
   CHECK(layout_error(m, l, 8, 16).empty());
-  CHECK_THAT(schedule_error(ScheduleKind::kDualPipeV, 4, 1, 1, DistributedBackend::kNccl),
-             Catch::Contains("refuses dualpipev on NCCL"));
-  CHECK(schedule_error(ScheduleKind::kDualPipeV, 4, 1, 1, DistributedBackend::kGloo).empty());
-  // The other schedules run on either backend.
-  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1})
-    CHECK(schedule_error(kind, 4, 1, 1, DistributedBackend::kGloo).empty());
+  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1, ScheduleKind::kDualPipeV})
+    CHECK(schedule_error(kind, 4, 1, 1).empty());
   CHECK(parse_distributed_backend("gloo") == DistributedBackend::kGloo);
   CHECK_THROWS_WITH(parse_distributed_backend("mpi"), Catch::Contains("'nccl' or 'gloo', got 'mpi'"));
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "megatorch/comm/comm_stats.h"
+#include "megatorch/comm/nccl_trace.h"
 #include "megatorch/parallel/parallel_state.h"
 
 
@@ -48,6 +49,8 @@ class Work {
 
   at::Tensor wait();
   bool is_completed() const;
+  // The NCCL check's handle of the op (nccl_trace.h), recorded as waited by wait().
+  void set_trace_handle(int64_t handle) { trace_handle_ = handle; }
 
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
@@ -56,6 +59,7 @@ class Work {
   std::vector<at::Tensor> keep_alive_;
   at::Tensor result_;
   bool waited_ = false;
+  int64_t trace_handle_ = -1;
 };
 
 // One send or receive of a batch_p2p call.
@@ -125,6 +129,10 @@ class Group {
   // Whether batch_p2p groups the ops of tensors on `device` into one (NCCL) or posts
   // them one by one (Gloo).
   bool coalesces(c10::DeviceType device) const;
+  // Whether callers must post ops on `device` as NCCL needs them (pairing by issue order,
+  // each op waiting for its peer's): on NCCL, and on any backend while the NCCL check
+  // runs (nccl_trace.h), which holds Gloo to NCCL's rules.
+  bool follows_nccl_rules(c10::DeviceType device) const;
   void barrier();
 
   CommStats stats() const { return comm_stats(name_); }
@@ -134,6 +142,10 @@ class Group {
   std::string backend_for(const at::Tensor& t) const;
   at::Tensor p2p_buffer(const at::Tensor& t, bool send) const;
   CollectiveInfo begin(CommOp op, int64_t bytes, const std::string& backend) const;
+  // Records a posted op for the NCCL check; returns its handle (-1 when the check is off).
+  int64_t trace(CommOp op, const at::Tensor& t, const std::string& detail, bool batch = false,
+                std::vector<TracedTransfer> transfers = {}) const;
+  Work traced(Work work, int64_t handle) const;
 
   std::string name_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

@@ -25,6 +25,11 @@
 
 namespace megatorch::parallel {
 
+// A client of the rendezvous store torchrun's environment names (`env`); rank 0 hosts it
+// unless torchrun's agent does. ParallelState connects through this; so can a tool that
+// needs the store without a process group (the NCCL check's trace exchange).
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout);
+
 struct ParallelStateOptions {
   ParallelStateOptions(int64_t tensor_model_parallel_size = 1, int64_t pipeline_model_parallel_size = 1)
       : tensor_model_parallel_size_(tensor_model_parallel_size),

@@ -1,8 +1,10 @@
 #pragma once
 // Runs a schedule's action list on this pipeline rank, for any pipeline::Stage (GPT's
-// PipelineStage, a ModuleStage of the user's chunks): non-blocking p2p over the PP group
-// (buffers sized from the stage's activation specs) posted in the batches of p2p_batches.h (one NCCL
-// group each, so NCCL's in-order pairing cannot deadlock), micro-batch losses averaged,
+// PipelineStage, a ModuleStage of the user's chunks): non-blocking p2p (buffers sized from
+// the stage's activation specs), on Gloo over the PP group with tags, posted as
+// p2p_batches.h places them; where NCCL's rules apply (NCCL, or the NCCL check) each op
+// alone on its channel's communicator (p2p_channels.h), so NCCL's in-order pairing neither
+// mixes messages nor deadlocks, for every schedule. Micro-batch losses averaged,
 // gradients accumulated, each stage output freed once sent (Megatron's deallocation:
 // only its autograd graph is kept). A zero-bubble schedule's split backward runs through
 // split_backward.h: B sends the input gradient on, W fills a bubble later. Records a
@@ -54,6 +56,9 @@ struct ExecutorOptions {
   // loop asks for timings only on the steps it reports them (TrainingLoop: the one whose
   // timeline it draws); untimed steps leave timeline empty and busy_s, makespan_s zero.
   TORCH_ARG(bool, time_compute) = true;
+  // Where NCCL's rules apply (p2p_channels.h): how many receives each channel keeps posted
+  // ahead of the compute that consumes them (each holds one received buffer). >= 1.
+  TORCH_ARG(int64_t, recv_lookahead) = 1;
 };
 
 // One training step's forward and backward over all micro-batches (no optimizer step),

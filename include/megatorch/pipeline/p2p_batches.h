@@ -14,8 +14,14 @@
 // receives are posted where RecvPosting says, and all the transfers that land between
 // two computes form one batch, ordered by peer, receives first, then by message
 // (activation before gradient, micro-batch, receiving virtual stage), which both ends of
-// a pair compute alike. verify_nccl_order (nccl_order_model.h) proves for every schedule
-// that these batches neither deadlock nor pair the wrong send and receive.
+// a pair compute alike. verify_nccl_order (nccl_order_model.h) proves for every looped
+// schedule that these batches neither deadlock nor pair the wrong send and receive.
+//
+// The executor posts these steps on Gloo (each op alone, with its tag). Where NCCL's rules
+// apply it posts through channels instead (p2p_channels.h): one communicator cannot carry
+// the V schedules' crossing streams, and a batch makes each receive wait for the sends
+// beside it, which costs zb-h1 and interleaved their overlap when m > p. The batches stay
+// as Megatron's single-communicator design, which the order model times for comparison.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -55,6 +61,9 @@ struct P2PMessage {
 P2PMessage p2p_message(const Action& a, int64_t rank, int64_t p, ChunkLayout layout = ChunkLayout::kLooped);
 // "activation of mb 3 for virtual stage 5".
 std::string to_string(const P2PMessage& message);
+// A distinct tag per message of a (p ranks, v chunks) pipeline, which sender and receiver
+// compute alike: Gloo pairs by it, and the NCCL check compares it across a pair.
+int64_t p2p_tag(const P2PMessage& message, int64_t p, int64_t v);
 
 // Where a receive is posted. A batch completes only when every op in it has met its
 // peer's, so a receive posted late holds up the sender's stream until the receiver gets
@@ -80,19 +89,6 @@ enum class RecvPosting {
 // both postings coincide), kAfterPreviousSameDirection for interleaved.
 RecvPosting recv_posting(ScheduleKind kind);
 const char* recv_posting_name(RecvPosting posting);  // "before_consumer", "after_previous_same_direction"
-
-// Why the executor cannot post `kind`'s transfers on a backend that pairs sends and
-// receives by issue order (NCCL), or "" when it can. The V schedules send a pair of ranks
-// two streams of messages in each direction (chunk 0's activations and chunk 1's
-// gradients go down; the others come up), and the receiver consumes them in another
-// order than the sender produces them: on one communicator NCCL would pair the wrong
-// tensors (verify_nccl_order shows the mismatch). Sending in the receiver's order fixes
-// the pairing but not the rendezvous: an NCCL send holds its rank's stream until the peer
-// posts the receive, and the V's crossing streams then wait on each other in a cycle
-// (with receives posted before their consumer or one round ahead alike). That needs the
-// two directions on separate communicators. Gloo pairs by tag, never blocks a send, and
-// runs them.
-std::string nccl_refusal(ScheduleKind kind);
 
 // The batched steps of one rank's action list (build_schedule's output): sends stay right
 // after the compute that produced them, receives move as `posting` says, and all the

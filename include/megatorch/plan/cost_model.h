@@ -68,9 +68,9 @@ struct TimeBreakdown {
   double pipeline = 0;     // simulated makespan: compute + tp_comm + cp_comm + ep_comm + p2p + bubble
   double step = 0;         // pipeline + dp_comm
   // Idle / busy of the slowest stage, as the executor runs on the layout's backend: the
-  // simulator's, except for zb-h1 on NCCL, whose B sends the executor's p2p batches hold
-  // until the receiver reaches them (the NCCL order model's bubble; docs/pipeline.md "Under
-  // NCCL"). Gloo holds no send: the simulator's for every schedule.
+  // simulator's on both, since no send holds a compute there (Gloo never holds a send; on
+  // NCCL each waits on its own channel, pipeline/p2p_channels.h). Kept apart from
+  // simulated_bubble_fraction for a backend whose posting would add to it.
   double bubble_fraction = 0;
   double simulated_bubble_fraction = 0;  // the simulator's (sends never wait)
   int64_t peak_inflight_chunks = 0;  // first stage, from the same simulation

@@ -84,9 +84,9 @@ using transformer::to_string;
 
 // The backend the pipeline's p2p transfers run on, as gpt_pretrain's --distributed-backend
 // names it. NCCL (the GPU default) pairs sends and receives by issue order and holds a send
-// until its receive is posted: the executor refuses the V schedules there
-// (pipeline::nccl_refusal) and zb-h1 loses part of its gain to that rendezvous. Gloo pairs
-// by tag and never holds a send: every schedule runs, as the simulator times it.
+// until its receive is posted; the executor posts every transfer alone on its channel's
+// communicator there (pipeline/p2p_channels.h), so every schedule runs and a send holds
+// only its channel. Gloo pairs by tag and never holds a send.
 enum class DistributedBackend { kNccl, kGloo };
 const char* to_string(DistributedBackend b);  // "nccl", "gloo"
 DistributedBackend parse_distributed_backend(const std::string& s);
@@ -143,13 +143,11 @@ pipeline::ScheduleKind schedule_of(const Layout& layout);
 bool schedule_implied(const Layout& layout);
 // What a schedule needs ("" when it holds): 1f1b VP = 1; interleaved VP > 1; zb-h1, zb-v and
 // dualpipev PP > 1, VP = 1 (the V's two chunks are implied) and ZeRO 0-2 (TrainingLoop
-// refuses ZeRO-3 with a split backward); zb-v and dualpipev the Gloo backend (the executor
-// refuses them on NCCL: pipeline::nccl_refusal); gpipe is not planned (it holds every
+// refuses ZeRO-3 with a split backward); gpipe is not planned (it holds every
 // micro-batch in flight for 1F1B's bubble). layout_error asks it of schedule_of(layout) and
 // adds what needs the model and the batch (the V: 2 x PP dividing the layers, at least 2 x PP
 // micro-batches); the planner asks it of a fixed --schedule against the fixed knobs.
-std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage,
-                           DistributedBackend backend = DistributedBackend::kNccl);
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage);
 // The model chunks each pipeline rank holds: vpp, or 2 under zb-v and dualpipev.
 int64_t model_chunks(const Layout& layout);
 // Where the virtual stages live: the V for zb-v and dualpipev (rank r holds stages r and

@@ -44,14 +44,14 @@ struct PlanRequest {
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;
   // The pipeline schedule (1f1b, interleaved, zb-h1, zb-v or dualpipev). Unset: interleaved
-  // at VP > 1, and at VP 1 1F1B and next to it zb-h1 (and on Gloo zb-v and dualpipev)
+  // at VP > 1, and at VP 1 1F1B and next to it zb-h1, zb-v and dualpipev
   // wherever it is valid (layout_error) and has W to defer (not under full recompute, whose
   // W is empty: 1F1B's time with more in flight). Fixed: only layouts that run it (VP > 1 for
   // interleaved, VP 1 otherwise: the V's two chunks come with zb-v and dualpipev).
   std::optional<pipeline::ScheduleKind> schedule;
   // The pipeline's p2p backend (gpt_pretrain's --distributed-backend), set on every layout:
-  // NCCL, the GPU default, where the executor refuses zb-v and dualpipev and zb-h1 is timed
-  // with NCCL's rendezvous; or Gloo, where all of them run as the simulator times them.
+  // NCCL, the GPU default, or Gloo; every schedule runs on both as the simulator times it
+  // (on NCCL each transfer holds only its own channel: pipeline/p2p_channels.h).
   DistributedBackend backend = DistributedBackend::kNccl;
   int64_t max_micro_batch = 8;
   int64_t max_vpp = 8;
@@ -84,7 +84,7 @@ PlanResult plan(const PlanRequest& request);
 std::string why_lost(const Candidate& c, const Candidate& best);
 
 // A layout under one of the schedules the planner models, for --explain: why it is left out
-// ("" when it is not: layout_error, e.g. zb-v on NCCL, or a split backward with no W to
+// ("" when it is not: layout_error, e.g. zb-v with too few micro-batches, or a split backward with no W to
 // defer), its ticks (per chunk: half a stage's in the V), and its memory and time (when not
 // left out).
 struct ScheduleChoice {
