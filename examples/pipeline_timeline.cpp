@@ -123,6 +123,10 @@ int main(int argc, char** argv) {
       loss = all.select(1, 1).abs().max().item<double>();
       measured.insert(measured.end(), last.begin(), last.end());
     }
+    // MEGATORCH_NCCL_CHECK=1 (the transfers on channel communicators): every step's ops
+    // replayed under NCCL's rules (megatorch/comm/nccl_semantics.h).
+    if (comm::nccl_check_enabled())
+      comm::check_nccl_semantics_across_ranks(state.store(), "pipeline_timeline", state.rank(), state.world_size());
     const auto costs = mean_costs(measured);
     const auto ticks = ticks_of(costs, pipeline::splits_backward(kind));
     const auto predicted = pipeline::simulate_schedule(kind, pp, m, v, ticks).bubble_fraction;

@@ -192,6 +192,24 @@ json read_metadata(const std::string& dir, int64_t iteration) {
   return meta;
 }
 
+std::map<std::string, at::Tensor> read_tensors(const std::string& dir, const std::string& prefix, int64_t iteration) {
+  const json meta = read_metadata(dir, iteration);
+  std::vector<ShardedEntry> entries;
+  for (const auto& [key, t] : meta.at("tensors").items()) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    ShardedEntry e;
+    e.key = key;
+    e.spec.full_shape = t.at("shape").get<std::vector<int64_t>>();
+    e.tensor = at::empty(e.spec.full_shape, at::TensorOptions().dtype(scalar_type_from_safetensors(
+                                                  t.at("pieces").at(0).at("dtype").get<std::string>())));
+    entries.push_back(std::move(e));
+  }
+  load_checkpoint(dir, entries, LoadOptions().iteration(meta.at("iteration").get<int64_t>()));
+  std::map<std::string, at::Tensor> out;
+  for (auto& e : entries) out.emplace(e.key, std::move(e.tensor));
+  return out;
+}
+
 void save_checkpoint(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
                      const CheckpointState& state, const std::string& group) {
   Ranks r(group);

@@ -345,20 +345,10 @@ HFConversion export_hf(const std::string& ckpt_dir, const std::string& hf_dir, i
     recorded = get_or<std::string>(import_state, "hf_model_type", "");
   }
   const HFArch arch = hf_arch_of(c, recorded);  // refuse a model no architecture holds before reading tensors
-  std::vector<ShardedEntry> entries;
-  for (const auto& [key, t] : meta.at("tensors").items()) {
-    if (!util::starts_with(key, kModelPrefix)) continue;  // optimizer state stays behind
-    if (key.find(".fp8.") != std::string::npos) continue;  // FP8 scaling state: no HF weight
-    ShardedEntry e;
-    e.key = key;
-    e.spec.full_shape = t.at("shape").get<std::vector<int64_t>>();
-    e.tensor = at::empty(e.spec.full_shape, at::TensorOptions().dtype(scalar_type_from_safetensors(
-                                                  t.at("pieces").at(0).at("dtype").get<std::string>())));
-    entries.push_back(std::move(e));
-  }
-  load_checkpoint(ckpt_dir, entries, LoadOptions().iteration(meta.at("iteration").get<int64_t>()));
+  // The model's tensors (optimizer state stays behind), but FP8 scaling state: no HF weight.
   std::map<std::string, at::Tensor> tensors;
-  for (const auto& e : entries) tensors[std::string(*util::strip_prefix(e.key, kModelPrefix))] = e.tensor;
+  for (auto& [key, t] : read_tensors(ckpt_dir, kModelPrefix, meta.at("iteration").get<int64_t>()))
+    if (key.find(".fp8.") == std::string::npos) tensors[std::string(*util::strip_prefix(key, kModelPrefix))] = t;
   std::vector<std::pair<std::string, at::Tensor>> hf;
   for (auto& [k, v] : to_hf_tensors(tensors, c)) hf.emplace_back(k, v);
   fs::create_directories(hf_dir);

@@ -444,4 +444,17 @@ std::vector<DistributedOptimizer::ParamStateShard> DistributedOptimizer::param_s
   return out;
 }
 
+std::vector<DistributedOptimizer::ParamStateShard> DistributedOptimizer::grad_shards() {
+  std::vector<ParamStateShard> out;
+  for (size_t b = 0; b < state_.size(); ++b) {
+    const auto& st = state_[b];
+    // 16-bit gradients were upcast into grad32 by the step; fp32 ones are the owned range.
+    const at::Tensor g = st.grad32.defined() ? st.grad32 : buffer_->buckets()[b].grad_shard;
+    buffer_->for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t in_param, int64_t n) {
+      out.push_back({i, in_param, in_param + n, {{"grad", g.narrow(0, at, n)}}});
+    });
+  }
+  return out;
+}
+
 }  // namespace megatorch::optim

@@ -38,7 +38,7 @@ struct GatherBeforeBackward : torch::autograd::Function<GatherBeforeBackward> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto sharding = ParamSharding::from_handle(ctx->saved_data["sharding"].toInt());
-    sharding->gather_unit(ctx->saved_data["unit"].toInt());
+    sharding->begin_unit_backward(ctx->saved_data["unit"].toInt());
     sharding->prefetch_unit(ctx->saved_data["next"].toInt());
     return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -198,8 +198,18 @@ void ParamSharding::drop_prefetches() {
   }
 }
 
+void ParamSharding::begin_unit_backward(int64_t unit) {
+  // The gradient reached this unit's output: the unit B ran before it has its input
+  // gradient computed, and (split) nothing later reads its parameters.
+  if (split_backward_ && backward_unit_ >= 0 && backward_unit_ != unit) release_unit(backward_unit_);
+  backward_unit_ = unit;
+  gather_unit(unit);
+}
+
 void ParamSharding::on_param_grad_ready(int64_t param) {
-  if (zero_stage() != 3) return;
+  // Under a split backward a unit's gradients come over B and W of interleaved
+  // micro-batches: counting them says nothing about when B is done with the unit.
+  if (zero_stage() != 3 || split_backward_) return;
   // The unit's backward is over once all of its gradients are in: free its parameters.
   const int64_t u = buffer_->unit_of_param(param);
   if (++unit_grads_ready_[u] == static_cast<int64_t>(buffer_->units()[u].size())) {

@@ -155,7 +155,7 @@ int64_t head_rank(const Layout& l) {
   return pipeline::rank_of_virtual_stage(l.pp * model_chunks(l) - 1, l.pp, chunk_layout_of(l));
 }
 
-std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage) {
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp) {
   using pipeline::ScheduleKind;
   const bool split = pipeline::splits_backward(kind);
   const bool v_shape = pipeline::chunk_layout(kind) == pipeline::ChunkLayout::kV;
@@ -178,10 +178,6 @@ std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp,
   else if (split && pp == 1)
     os << "the " << name << " schedule fills the bubbles of a pipeline: expected PP > 1, got PP=1; use --schedule "
        << "1f1b or a --pipeline-model-parallel-size > 1";
-  else if (split && zero_stage == 3)
-    os << "the " << name << " schedule splits each backward into B and W, which ZeRO-3's parameter gathers do not "
-       << "follow (TrainingLoop refuses them together): expected ZeRO stage 0, 1 or 2, got ZeRO-3; use --zero-stage "
-       << "1 or 2, or --schedule 1f1b";
   return os.str();
 }
 
@@ -215,7 +211,7 @@ std::string layout_error(const ModelSpec& m, const Layout& l, int64_t gpus, int6
     os << "PP*VP = " << l.pp * l.vpp << " does not divide the " << m.num_layers << " layers";
   else if (l.vpp > 1 && l.pp == 1)
     os << "virtual pipeline stages need PP > 1";
-  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp, l.zero_stage); !e.empty())
+  else if (const std::string e = schedule_error(schedule_of(l), l.pp, l.vpp); !e.empty())
     os << e;
   else if (chunk_layout_of(l) == pipeline::ChunkLayout::kV && m.num_layers % (2 * l.pp))
     os << "the " << pipeline::schedule_kind_name(schedule_of(l)) << " schedule splits the model into 2 x PP = "

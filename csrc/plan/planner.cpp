@@ -150,9 +150,9 @@ PlanResult plan(const PlanRequest& r) {
   for (int64_t v = 1; v <= r.max_vpp; ++v) vpps.push_back(v);
   if (r.schedule) {
     // A fixed schedule against the fixed knobs, named before any layout is tried; the searched
-    // VP sizes are those it runs with (2 stages and ZeRO 0 stand in for unfixed ones).
+    // VP sizes are those it runs with (2 stages stand in for an unfixed PP).
     const auto conflict = [&](int64_t v) {
-      return schedule_error(*r.schedule, r.pp.value_or(2), v, r.zero_stage.value_or(0));
+      return schedule_error(*r.schedule, r.pp.value_or(2), v);
     };
     vpps.erase(std::remove_if(vpps.begin(), vpps.end(), [&](int64_t v) { return !conflict(v).empty(); }), vpps.end());
     const std::string e = conflict(r.vpp.value_or(vpps.empty() ? 1 : vpps.front()));

@@ -164,6 +164,8 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--save", a.save);
   app.add_option("--load", a.load);
   app.add_option("--save-interval", a.save_interval);
+  app.add_flag("--save-grads", a.save_grads,
+               "also save the gradients each checkpoint's last step applied (optim/grad/<name>, never loaded)");
   app.add_flag("--use-checkpoint-args", a.use_checkpoint_args,
                "take the model's shape from the checkpoint in --load (a disagreeing flag is an error)");
   app.add_flag("--finetune", a.finetune,
@@ -493,6 +495,7 @@ void validate(TrainArguments& a, int64_t world) {
   MEGATORCH_CHECK(!a.eval_only || a.eval_iters > 0, "gpt_pretrain: --eval-only needs --eval-iters > 0, got ",
                   a.eval_iters);
   MEGATORCH_CHECK(a.save_interval == 0 || !a.save.empty(), "gpt_pretrain: --save-interval needs --save DIR");
+  MEGATORCH_CHECK(!a.save_grads || !a.save.empty(), "gpt_pretrain: --save-grads needs --save DIR");
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
   MEGATORCH_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters < a.lr_decay_iters,
                   "gpt_pretrain: expected 0 <= --lr-warmup-iters < --lr-decay-iters (or --train-iters), got ",

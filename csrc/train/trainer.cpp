@@ -65,6 +65,7 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
                .eval_iters(a.eval_iters)
                .save(a.save)
                .save_interval(a.save_interval)
+               .save_grads(a.save_grads)
                .load(a.load)
                .finetune(a.finetune)
                .load_optimizer(!a.no_load_optim)

@@ -4,6 +4,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -19,7 +20,7 @@
 #include "megatorch/comm/comm_stats.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/moe/moe_layer.h"
-#include "megatorch/pipeline/p2p_batches.h"
+#include "megatorch/comm/nccl_semantics.h"
 #include "megatorch/pipeline/timeline_svg.h"
 #include "megatorch/train/expert_parameters.h"
 #include "megatorch/train/device_memory.h"
@@ -38,6 +39,12 @@ int64_t resident_bytes() {
   return rss * 4096;
 }
 
+// Every rank makes its loops in the same order: the same number names the same loop.
+int64_t next_loop_id() {
+  static std::atomic<int64_t> n{0};
+  return n++;
+}
+
 std::string human(double bytes) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
@@ -51,7 +58,7 @@ std::string human(double bytes) {
 
 }  // namespace
 
-TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(options)) {
+TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(options)), nccl_check_id_(next_loop_id()) {
   const auto& o = options_;
   MEGATORCH_CHECK(o.train_iters() >= 0 && o.micro_batch_size() >= 1 && o.num_micro_batches() >= 1 &&
                       o.virtual_chunks() >= 1 && o.log_interval() >= 1 && o.eval_iters() >= 0,
@@ -60,12 +67,8 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                   o.num_micro_batches(), ", ", o.virtual_chunks(), ", ", o.log_interval(), ", ", o.eval_iters());
   MEGATORCH_CHECK(o.zero_stage() >= 0 && o.zero_stage() <= 3, "TrainingLoop: expected zero_stage in 0..3, got ",
                   o.zero_stage());
-  // Names the schedules when unknown. ZeRO-3 frees a unit's gathered parameters once its
-  // gradients are in, which a split backward's W would find freed.
+  // Names the schedules when unknown.
   schedule_kind_ = pipeline::parse_schedule_kind(o.schedule());
-  MEGATORCH_CHECK(!pipeline::splits_backward(schedule_kind_) || o.zero_stage() < 3, "TrainingLoop: the ", o.schedule(),
-                  " schedule splits each backward into B and W, which ZeRO-3's per-unit parameter gathers do not "
-                  "follow yet; got zero_stage 3. Use zero_stage 1 or 2 with it, or ZeRO-3 with 1f1b or interleaved");
   if (pipeline::chunk_layout(schedule_kind_) == pipeline::ChunkLayout::kV) {
     MEGATORCH_CHECK(o.virtual_chunks() == 2, "TrainingLoop: the ", o.schedule(), " schedule runs two chunks per rank ",
                     "in a V; expected virtual_chunks 2, got ", o.virtual_chunks());
@@ -174,6 +177,8 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
           .overlap_param_gather(true),
       params_.info);
   attach_stage_unit_hooks(*stage_, params_, *optimizer_);
+  // ZeRO-3 frees a unit when B moves past it, not when its gradients are in (W brings some).
+  optimizer_->set_split_backward(pipeline::splits_backward(schedule_kind_));
   if (!split.experts.units.empty()) {
     expert_params_ = std::move(split.experts);
     // Each expert is on one EP rank, its columns over ETP: the norm spans both (and PP,
@@ -363,6 +368,13 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
                 ", p=" + std::to_string(state_->pp_size()) + ", m=" + std::to_string(options_.num_micro_batches());
       pipeline::write_timeline_svg(options_.timeline(), records, t);
     }
+  }
+  // MEGATORCH_NCCL_CHECK=1: this step's ops, and whatever ran since the last one
+  // (evaluation, checkpoints), replayed under NCCL's rules on every rank.
+  if (comm::nccl_check_enabled()) {
+    comm::check_nccl_semantics_across_ranks(
+        state_->store(), "megatorch_nccl_check/" + std::to_string(nccl_check_id_) + "/" + std::to_string(iteration_),
+        state_->rank(), state_->world_size());
   }
   return {s, loss};
 }

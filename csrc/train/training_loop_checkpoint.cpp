@@ -30,7 +30,7 @@ at::Tensor state_tensor(const nlohmann::json& bytes) { return at::tensor(bytes.g
 
 }  // namespace
 
-std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
+std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries(bool with_grads) {
   // Replicas of a parameter (and ZeRO's shards of its state) span DP × CP; an expert's
   // span expert-DP (its EP rank's copies).
   const int64_t dp_rank = comm::Group(grad_group()).rank();
@@ -61,7 +61,12 @@ std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries() {
       }
     }
     const bool sharded_state = opt->options().zero_stage() >= 1;
-    for (auto shard : opt->param_state_shards()) {
+    auto shards = opt->param_state_shards();
+    if (with_grads) {
+      auto grads = opt->grad_shards();
+      shards.insert(shards.end(), grads.begin(), grads.end());
+    }
+    for (auto shard : shards) {
       const auto* e = of_param[shard.param];
       MEGATORCH_CHECK(e != nullptr, "checkpoint: optimizer parameter ", shard.param, " has no checkpoint entry");
       const std::string name = e->key.substr(e->key.find('/') + 1);
@@ -135,7 +140,8 @@ void TrainingLoop::save_checkpoint() {
   if (const auto tracker = stage_->rng_tracker()) {
     for (const auto& [name, state] : tracker->snapshot().states) st.rank_state["rng_streams"][name] = state_bytes(state);
   }
-  ckpt::save_checkpoint(options_.save(), iteration_, checkpoint_entries(), st, state_->group_name(GroupKind::kWorld));
+  ckpt::save_checkpoint(options_.save(), iteration_, checkpoint_entries(options_.save_grads()), st,
+                        state_->group_name(GroupKind::kWorld));
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
   if (is_logging_rank()) {
     std::printf("\n[megatorch] saved checkpoint at iteration %ld to %s (%.2f s)\n", iteration_, options_.save().c_str(),

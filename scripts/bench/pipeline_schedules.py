@@ -1,10 +1,12 @@
 """Pipeline schedules side by side on 4 CPU ranks (docs/pipeline.md, "Zero bubble:
 measured"): megatorch's 1F1B, interleaved (v = 2), ZB-H1, ZB-V and DualPipeV next to
 torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV.
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV; megatorch's
+each under Gloo's rules (one PP group, tags) and under NCCL's (MEGATORCH_NCCL_CHECK=1: every
+transfer alone on its channel's communicator, pipeline/p2p_channels.h), still on Gloo.
 
     .venv/bin/python scripts/bench/pipeline_schedules.py [--out runs/pipeline_schedules] \\
-        [--microbatches 4,8,16 --steps 5 --rounds 2]
+        [--microbatches 4,8,16 --steps 5 --rounds 2 --rules gloo,nccl]
 
 One GPT (8 layers, hidden 256, 8 heads, sequence 128, micro-batch 2, vocabulary 1024,
 fp32), the same initial weights and micro-batches everywhere, forward and backward only,
@@ -40,8 +42,8 @@ TORCH = ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubb
 P = 4
 
 
-def run(cmd, out_json: Path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE / "peers"))
+def run(cmd, out_json: Path, extra_env=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE / "peers"), **(extra_env or {}))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0 or not out_json.exists():
         # A rank's exception line ("[rank0]: ValueError: ..."), not the launcher's summary.
@@ -61,6 +63,7 @@ def main():
     ap.add_argument("--microbatches", default="4,8,16")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rules", default="gloo,nccl", help="megatorch's posting: gloo (tags), nccl (channels)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,14 +75,16 @@ def main():
         for rnd in range(a.rounds):
             for m in [int(x) for x in a.microbatches.split(",")]:
                 for schedule, v in MEGATORCH:
-                    js = out / f"mt_{schedule}_{m}_{rnd}.json"
-                    js.unlink(missing_ok=True)
-                    r = run(torchrun("--no-python", str(timeline), "--pipeline-model-parallel-size", str(P),
-                                     "--num-microbatches", str(m), "--schedule", schedule,
-                                     "--virtual-pipeline-model-parallel-size", str(v), "--steps", str(a.steps),
-                                     "--json", str(js)), js)
-                    records.append({"system": "megatorch", "schedule": schedule, "m": m, "round": rnd, **r})
-                    print(json.dumps(records[-1]), flush=True)
+                    for rules in a.rules.split(","):
+                        js = out / f"mt_{schedule}_{m}_{rnd}_{rules}.json"
+                        js.unlink(missing_ok=True)
+                        r = run(torchrun("--no-python", str(timeline), "--pipeline-model-parallel-size", str(P),
+                                         "--num-microbatches", str(m), "--schedule", schedule,
+                                         "--virtual-pipeline-model-parallel-size", str(v), "--steps", str(a.steps),
+                                         "--json", str(js)), js, {"MEGATORCH_NCCL_CHECK": "1" if rules == "nccl" else "0"})
+                        system = "megatorch" if rules == "gloo" else "megatorch, NCCL rules"
+                        records.append({"system": system, "schedule": schedule, "m": m, "round": rnd, **r})
+                        print(json.dumps(records[-1]), flush=True)
                 for name in TORCH:
                     js = out / f"torch_{name}_{m}_{rnd}.json"
                     js.unlink(missing_ok=True)

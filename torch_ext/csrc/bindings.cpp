@@ -461,6 +461,10 @@ PYBIND11_MODULE(_cpp, m) {
         return megatorch::ckpt::gpt_config_from_json(megatorch::ckpt::read_metadata(dir, iteration).at("model_config"));
       },
       py::arg("dir"), py::arg("iteration") = -1, "The TransformerConfig a checkpoint was saved with.");
+  m.def("read_checkpoint_tensors", &megatorch::ckpt::read_tensors, py::arg("dir"), py::arg("prefix") = "",
+        py::arg("iteration") = -1,
+        "Every tensor of a checkpoint whose key starts with prefix, whole, by key ('model/...', 'optim/exp_avg/...',\n"
+        "'optim/grad/...' with gpt_pretrain --save-grads), whatever layout saved it.");
 
   m.def("rope_frequencies", &tf::rope_frequencies, py::arg("seq_length"), py::arg("head_dim"),
         py::arg("base") = 10000.0, py::arg("device") = c10::Device(c10::kCPU),

@@ -75,6 +75,7 @@ rope_frequencies = _cpp.rope_frequencies
 context_parallel_positions = _cpp.context_parallel_positions
 context_parallel_slice = _cpp.context_parallel_slice
 checkpoint_config = _cpp.checkpoint_config
+read_checkpoint_tensors = _cpp.read_checkpoint_tensors
 
 
 def _cpp_module(model):
@@ -103,4 +104,4 @@ for _cls in (GPTModel, TransformerLayer, ParallelAttention, ParallelMLP):
 
 __all__ = ["TransformerConfig", "GPTModel", "TransformerLayer", "ParallelAttention", "ParallelMLP",
            "rope_frequencies", "context_parallel_positions", "context_parallel_slice", "save_checkpoint",
-           "load_checkpoint", "checkpoint_config", "extension_path"]
+           "load_checkpoint", "checkpoint_config", "read_checkpoint_tensors", "extension_path"]

@@ -22,6 +22,7 @@
 #include <torch/arg.h>
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -76,5 +77,10 @@ std::string iteration_dirname(int64_t iteration);
 int64_t latest_iteration(const std::string& dir);
 // The parsed metadata.json of an iteration (-1: the latest).
 nlohmann::json read_metadata(const std::string& dir, int64_t iteration = -1);
+// Every tensor of an iteration (-1: the latest) whose key starts with `prefix`, assembled
+// whole in this process in the saved dtype, by key ("model/layers.0.mlp.fc1.weight", "optim/grad/..."):
+// for tools that compare or inspect checkpoints, whatever layout saved them.
+std::map<std::string, at::Tensor> read_tensors(const std::string& dir, const std::string& prefix = "",
+                                               int64_t iteration = -1);
 
 }  // namespace megatorch::ckpt

@@ -157,6 +157,9 @@ class DistributedOptimizer {
     std::map<std::string, at::Tensor> tensors;
   };
   std::vector<ParamStateShard> param_state_shards();
+  // The gradient the last step applied (reduced, averaged, fp32: "grad"), over the same
+  // ranges; valid from the step until the next zero_grad.
+  std::vector<ParamStateShard> grad_shards();
   void copy_master_to_params();
   // The other direction, after the model's parameters were loaded in place (stage 3:
   // with every unit gathered): the owned shard and the fp32 masters take their values.
@@ -168,6 +171,8 @@ class DistributedOptimizer {
   void gather_unit(int64_t unit) { sharding_->gather_unit(unit); }
   void release_unit(int64_t unit) { sharding_->release_unit(unit); }
   void prefetch_unit(int64_t unit) { sharding_->prefetch_unit(unit); }
+  // ZeRO-3 under a split-backward schedule (zb-h1, zb-v, dualpipev): param_sharding.h.
+  void set_split_backward(bool on) { sharding_->set_split_backward(on); }
   // Hooks for models::GPTModelImpl::set_unit_hooks for the units `first`..`last` of one
   // model chunk (its root unit, then its layers); nullptr when the stage needs none.
   std::shared_ptr<models::UnitHooks> unit_hooks(int64_t first, int64_t last) { return sharding_->unit_hooks(first, last); }

@@ -5,7 +5,11 @@
 //     embedding, final norm, head) holds only this rank's range. It is all-gathered right
 //     before its forward, with the next unit prefetched, freed after it, gathered again when
 //     the gradient reaches its output (the unit whose backward comes next prefetched) and
-//     freed once all of its gradients are in.
+//     freed once all of its gradients are in. Under a split backward (zero bubble: B the
+//     input gradients, W the weight gradients later, micro-batches interleaved) a unit's
+//     gradients arrive over several passes, so set_split_backward(true) frees it instead
+//     when B moves on to the next unit: W multiplies layer inputs with output gradients
+//     and reads no parameter, and the DP reduction waits for the step's last W as before.
 //   ZeRO-1/2 with overlap_param_gather: after the optimizer updated its ranges,
 //     launch_param_gathers() starts one all-gather per bucket in forward order and the
 //     forward of each unit first waits for the buckets holding its parameters, so later
@@ -61,6 +65,13 @@ class ParamSharding : public std::enable_shared_from_this<ParamSharding> {
   void on_param_grad_ready(int64_t param);
   // Forgets the gradient counts of an abandoned backward (zero_grad).
   void reset_backward();
+  // ZeRO-3 under a split-backward schedule (above); TrainingLoop sets it for zb-h1, zb-v
+  // and dualpipev.
+  void set_split_backward(bool on) { split_backward_ = on; }
+  bool split_backward() const { return split_backward_; }
+  // The unit whose backward is starting (a GatherBeforeBackward node): gathers it, and
+  // under a split backward frees the unit whose input-gradient pass just ended.
+  void begin_unit_backward(int64_t unit);
 
   // Hooks for one model chunk's units `first` (its root) .. `last` (its last layer);
   // prefetching stays inside the chunk, as under interleaving the next chunk to run is the
@@ -91,6 +102,8 @@ class ParamSharding : public std::enable_shared_from_this<ParamSharding> {
   std::vector<std::vector<int64_t>> unit_buckets_;        // stage 3: the unit's own buckets
   std::vector<std::vector<int64_t>> unit_param_buckets_;  // buckets holding any parameter of the unit
   std::vector<int64_t> unit_grads_ready_;
+  bool split_backward_ = false;
+  int64_t backward_unit_ = -1;  // split backward: the unit B gathered last
   int64_t handle_ = 0;
 };
 

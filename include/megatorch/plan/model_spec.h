@@ -142,12 +142,11 @@ pipeline::ScheduleKind schedule_of(const Layout& layout);
 // another one is named (Layout::str's "sched=", gpt_pretrain's --schedule).
 bool schedule_implied(const Layout& layout);
 // What a schedule needs ("" when it holds): 1f1b VP = 1; interleaved VP > 1; zb-h1, zb-v and
-// dualpipev PP > 1, VP = 1 (the V's two chunks are implied) and ZeRO 0-2 (TrainingLoop
-// refuses ZeRO-3 with a split backward); gpipe is not planned (it holds every
+// dualpipev PP > 1 and VP = 1 (the V's two chunks are implied); gpipe is not planned (it holds every
 // micro-batch in flight for 1F1B's bubble). layout_error asks it of schedule_of(layout) and
 // adds what needs the model and the batch (the V: 2 x PP dividing the layers, at least 2 x PP
 // micro-batches); the planner asks it of a fixed --schedule against the fixed knobs.
-std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int zero_stage);
+std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp);
 // The model chunks each pipeline rank holds: vpp, or 2 under zb-v and dualpipev.
 int64_t model_chunks(const Layout& layout);
 // Where the virtual stages live: the V for zb-v and dualpipev (rank r holds stages r and

@@ -120,6 +120,7 @@ struct TrainArguments {
   std::string save;
   std::string load;
   int64_t save_interval = 0;
+  bool save_grads = false;  // the last step's gradients in each checkpoint (optim/grad/...)
   bool use_checkpoint_args = false;  // the model's shape from --load's checkpoint
   bool finetune = false;             // weights only: iteration 0, fresh optimizer, data and RNG
   bool no_load_optim = false;

@@ -138,6 +138,9 @@ struct TrainingLoopOptions {
   TORCH_ARG(std::string, load) = "";
   TORCH_ARG(int64_t, load_iteration) = -1;  // -1: the one `latest` names (Megatron's --ckpt-step)
   TORCH_ARG(bool, finetune) = false;
+  // Also save the gradients the step before each save applied, as "optim/grad/<name>"
+  // (reduced and averaged, fp32; never loaded): what megatorch-verify-layout compares.
+  TORCH_ARG(bool, save_grads) = false;
   TORCH_ARG(bool, load_optimizer) = true;
   TORCH_ARG(bool, load_rng) = true;
   // Saved with every checkpoint (metadata.json's model_config); on load, `load_comparison`
@@ -212,7 +215,8 @@ class TrainingLoop {
   // One step of every optimizer: one norm over both, one loss-scaler update.
   bool step_optimizers();
   optim::DistributedOptimizerOptions optimizer_options() const;
-  std::vector<ckpt::ShardedEntry> checkpoint_entries();
+  // `with_grads`: the optimizers' last gradients too (save_grads).
+  std::vector<ckpt::ShardedEntry> checkpoint_entries(bool with_grads = false);
   std::vector<pipeline::MicroBatch> on_device(std::vector<pipeline::MicroBatch> micro_batches) const;
   // The last pipeline stage's loss averaged over DP (summed over CP), on every rank: on
   // the device (a 1-element double tensor), or read.
@@ -244,6 +248,7 @@ class TrainingLoop {
   bool optimizer_sums_ties_ = false;
   pipeline::ScheduleKind schedule_kind_ = pipeline::ScheduleKind::kOneFOneB;  // options' schedule, parsed once
   int64_t iteration_ = 0;
+  int64_t nccl_check_id_ = 0;  // this loop's namespace for the NCCL check's trace exchange
   int64_t lr_step_ = 0;  // iterations whose update was applied: the LR schedule's clock
   int64_t num_parameters_ = 0;
   std::ofstream json_;

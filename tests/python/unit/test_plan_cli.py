@@ -215,9 +215,7 @@ def test_full_recompute_keeps_1f1b():
 
 def test_schedule_conflicts_are_named():
     out = run("--model", "llama3-8b", "--nodes", "1", "--schedule", "zb-h1", "--zero-stage", "3")
-    assert out.returncode != 0
-    assert "--schedule zb-h1 does not run with the fixed settings" in out.stderr
-    assert "expected ZeRO stage 0, 1 or 2, got ZeRO-3; use --zero-stage 1 or 2, or --schedule 1f1b" in out.stderr
+    assert out.returncode == 0, out.stderr  # ZeRO-3 runs the split backward too
     out = run(*PP_ARGS, "--schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2")
     assert out.returncode != 0 and "runs one model chunk per stage: expected VP=1, got VP=2" in out.stderr
     out = run(*PP_ARGS, "--schedule", "ring")
