@@ -27,7 +27,6 @@ using Key = std::pair<int64_t, int64_t>;  // (micro-batch, chunk)
 // once (waiting again is free).
 using Transfer = std::shared_ptr<comm::Work>;
 
-
 // Backward from `output` with `grad` through the engine directly: the output's data
 // may have been freed (deallocation), so the usual shape check must not run.
 void backward_from(const at::Tensor& output, const at::Tensor& grad) {
@@ -37,7 +36,7 @@ void backward_from(const at::Tensor& output, const at::Tensor& grad) {
                                                         /*accumulate_grad=*/true);
 }
 
-// A receive a batch posted and no compute has consumed yet.
+// A receive posted and not yet consumed by a compute.
 struct PendingRecv {
   Transfer work;      // null: none posted
   at::Tensor buffer;  // filled once `work` completes
