@@ -135,7 +135,6 @@ class Checker {
       report_.collectives += 1;
     }
     for (const auto& [id, c] : comms_) {
-      const auto first = lists.find({id, 0});
       size_t longest = 0;
       int64_t longest_rank = 0;
       for (int64_t g = 0; g < c.size; ++g) {
@@ -156,7 +155,6 @@ class Checker {
                          " would hang; every member must issue the same collectives in the same order.");
         }
       }
-      (void)first;
       for (size_t k = 0; k < longest; ++k) {
         const int64_t a = ref[k];
         std::vector<int64_t> match;

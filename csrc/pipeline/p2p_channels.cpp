@@ -76,7 +76,7 @@ std::vector<std::string> p2p_channel_groups(const std::string& pp_group, int64_t
   if (ch.parent_id != parent) {
     // The PP group of this name was made anew (a new ParallelState): its old channels go.
     unregister(ch);
-    ch = Channels{c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), parent, {}, {}};  // NOLINT
+    ch = Channels{c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), parent, {}, {}};
   }
   const c10::Device device = pg->getBoundDeviceId().value_or(c10::Device(c10::kCPU));
   const std::string cuda_backend = device.is_cuda() ? pg->getBackend(c10::kCUDA)->getBackendName() : "gloo";
