@@ -442,7 +442,9 @@ void Group::barrier() {
   auto info = begin(CommOp::kBarrier, 0, pg_->getBackendName());
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
-  const int64_t handle = trace(CommOp::kBarrier, at::empty({0}), "");
+  // Traced on the stream of the backend that runs it (NCCL's barrier is a device all-reduce).
+  const bool nccl = pg_->getBackendName() == "nccl";
+  const int64_t handle = trace(CommOp::kBarrier, at::empty({0}, nccl ? at::kCUDA : at::kCPU), "");
   traced(Work(pg_->barrier(opts), info, nullptr), handle).wait();
 }
 

@@ -33,11 +33,6 @@ std::atomic<int>& enabled_flag() {
   return flag;
 }
 
-std::atomic<int>& pauses() {
-  static std::atomic<int> n{0};
-  return n;
-}
-
 // Names travel as whitespace-free tokens.
 std::string token(std::string s) {
   if (s.empty()) return "-";
@@ -51,9 +46,6 @@ std::string token(std::string s) {
 bool nccl_check_enabled() { return enabled_flag().load() != 0; }
 void set_nccl_check_enabled(bool on) { enabled_flag().store(on ? 1 : 0); }
 
-NcclTracePause::NcclTracePause() { pauses().fetch_add(1); }
-NcclTracePause::~NcclTracePause() { pauses().fetch_sub(1); }
-
 std::string comm_identity(const c10d::ProcessGroup& pg, const std::string& name) {
   const std::string desc = pg.getGroupDesc();
   return token(desc.empty() ? pg.getGroupName() + "|" + name : pg.getGroupName() + "|" + desc);
@@ -62,7 +54,7 @@ std::string comm_identity(const c10d::ProcessGroup& pg, const std::string& name)
 namespace detail {
 
 int64_t trace_op(TracedOp op) {
-  if (!nccl_check_enabled() || pauses().load() > 0) return -1;
+  if (!nccl_check_enabled()) return -1;
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mu);
   op.waits_before = static_cast<int64_t>(r.trace.waits.size());

@@ -6,6 +6,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/kernels/rotary.h"
+#include "megatorch/transformer/attention_dropout.h"
 #include "megatorch/transformer/context_parallel.h"
 #include "megatorch/transformer/recompute.h"
 
@@ -68,12 +69,18 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
   at::Tensor out;
   if (!c.context_parallel_group().empty()) {
     // The sequence is split over the CP group: attention crosses it (context_parallel.h).
-    // validate() refused attention dropout here.
-    out = context_parallel_attention(qb, kb, vb,
-                                     ContextParallelAttentionOptions(c.context_parallel_group())
-                                         .comm_type(c.cp_comm_type())
-                                         .causal(c.causal_attention())
-                                         .scale(1.0 / std::sqrt(static_cast<double>(c.head_dim()))));
+    // Dropout is keyed by position and global head (attention_dropout.h), its key drawn
+    // from the default generator, which every TP and CP rank holds alike.
+    auto cp = ContextParallelAttentionOptions(c.context_parallel_group())
+                  .comm_type(c.cp_comm_type())
+                  .causal(c.causal_attention())
+                  .scale(1.0 / std::sqrt(static_cast<double>(c.head_dim())));
+    if (p > 0) {
+      cp.dropout(p)
+          .dropout_key(draw_attention_dropout_key(qb.device()))
+          .head_offset(tp::tp_info(options.group()).rank * local_heads);
+    }
+    out = context_parallel_attention(qb, kb, vb, cp);
   } else {
     // Each TP rank holds other heads: its attention dropout draws from its own stream.
     c10::optional<tp::RngTracker::Fork> fork;

@@ -77,9 +77,6 @@ void TransformerConfig::validate_context_parallel(int64_t tp, int64_t cp) const 
   MEGATORCH_CHECK(!sequence_parallel_ || (seq_length_ / cp) % tp == 0, "expected each CP rank's tokens (seq_length / cp = ",
                   seq_length_ / cp, ") to be divisible by the tensor-parallel size (", tp,
                   ") with sequence parallelism");
-  MEGATORCH_CHECK(attention_dropout_ == 0, "expected attention_dropout 0 with context parallelism (size ", cp,
-                  "), got ", attention_dropout_, ": the split attention draws no dropout mask; pass "
-                  "--attention-dropout 0 (hidden dropout is supported)");
   if (cp_comm_type_ == CpCommType::kA2A) {
     const int64_t heads = num_attention_heads_ / tp, groups = query_groups() / tp;
     MEGATORCH_CHECK(heads % cp == 0 && groups % cp == 0, "Ulysses (--cp-comm-type a2a) splits the heads over the ",

@@ -91,6 +91,14 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
                   "; convert them together");
   MEGATORCH_CHECK(q.is_floating_point(), what, ": expected floating-point q, k, v, got ", q.scalar_type(),
                   "; attention needs a float dtype");
+  MEGATORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1, what, ": expected a dropout probability in [0, 1), "
+                  "got ", options.dropout());
+  const at::Tensor& key = options.dropout_key();
+  MEGATORCH_CHECK(options.dropout() == 0 || (key.defined() && key.numel() == 1 && key.scalar_type() == at::kLong &&
+                                             key.device() == q.device()),
+                  what, ": dropout ", options.dropout(), " needs a one-element int64 dropout_key on ", q.device(),
+                  ", got ", key.defined() ? c10::str(key.scalar_type(), key.sizes(), " on ", key.device()) : "none",
+                  "; pass .dropout_key(draw_attention_dropout_key(q.device())), the same on every rank");
   comm::Group group(options.group());
   const int64_t c = group.size();
   MEGATORCH_CHECK(c == 1 || q.size(2) % 2 == 0, what, ": expected an even local sequence (two chunks of L tokens "

@@ -15,6 +15,13 @@
 // comes from r + 1 too (it was there at step j - 1), gains this rank's contribution and
 // goes on to r - 1 (c - 1 hops, in the input dtype); at step c - 1 it is this rank's dK,
 // dV. Each step's gradients are flash style from the final output and log-sum-exp.
+//
+// Attention dropout (attention_dropout.h): a step multiplies its probabilities, normalised
+// by its own log-sum-exp, by the keep mask of its (query, key) positions over 1 - p; the
+// merge's rescaling then normalises them by the whole row's, as dropout after softmax
+// asks. Backward: dV = (P∘D)ᵀdO and dS = P∘(D∘dO·Vᵀ − rowsum(dO∘O)), the same row sum as
+// without dropout (O already carries D), so only the mask, recomputed from the key, is
+// new. Steps with dropout run the math kernel.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
@@ -24,6 +31,7 @@
 
 #include "context_parallel_internal.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/transformer/attention_dropout.h"
 
 namespace megatorch::transformer::detail {
 namespace {
@@ -73,10 +81,35 @@ at::Tensor causal_mask(int64_t n, const at::Tensor& like) {  // true above the d
   return at::ones({n, n}, like.options().dtype(at::kBool)).triu_(1);
 }
 
+// Attention dropout of one call: its probability, key, q's global head indices and the
+// global positions of this rank's queries.
+struct Dropout {
+  double p = 0;
+  at::Tensor key, heads, q_positions;
+  int64_t seq = 0, cp = 1;  // the whole sequence's length and the CP size
+
+  // Step `s`'s keep mask (over the block of CP rank `owner`) divided by 1 - p, in
+  // `dtype`; undefined without dropout.
+  at::Tensor scaled_keep(const StepShape& s, int64_t owner, int64_t batch, c10::ScalarType dtype) const {
+    if (p == 0) return {};
+    const at::Tensor k_positions = context_parallel_positions(seq, cp, owner, key.device());
+    return attention_dropout_keep(key, batch, heads, q_positions.narrow(0, s.q_begin, s.q_len),
+                                  k_positions.narrow(0, s.k_begin, s.k_len), p)
+        .to(dtype)
+        .mul_(1.0 / (1.0 - p));
+  }
+};
+
+// The key as a plain argument: autograd's apply would otherwise take it for an input (and
+// reject it undefined, without dropout).
+struct DropoutKey {
+  at::Tensor key;
+};
+
 enum class Kernel { kMath, kFlashCpu, kFlashCuda };
 
-Kernel pick_kernel(const at::Tensor& q, bool use_sdpa) {
-  if (!use_sdpa) return Kernel::kMath;
+Kernel pick_kernel(const at::Tensor& q, bool use_sdpa, double dropout) {
+  if (!use_sdpa || dropout > 0) return Kernel::kMath;  // the fused kernels take no external mask
   const auto t = q.scalar_type();
   const bool half = t == at::kHalf || t == at::kBFloat16;
   if (q.is_cpu() && (half || t == at::kFloat || t == at::kDouble)) return Kernel::kFlashCpu;
@@ -85,8 +118,10 @@ Kernel pick_kernel(const at::Tensor& q, bool use_sdpa) {
 }
 
 // One step's attention: its output (any float dtype) and log-sum-exp (accumulation dtype).
+// `keep`: the step's scaled keep mask (math kernel only), undefined without dropout.
 std::tuple<at::Tensor, at::Tensor> step_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v, bool causal, double scale) {
+                                                const at::Tensor& v, bool causal, double scale,
+                                                const at::Tensor& keep) {
   switch (kernel) {
     case Kernel::kFlashCpu:
       return at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
@@ -101,7 +136,9 @@ std::tuple<at::Tensor, at::Tensor> step_forward(Kernel kernel, const at::Tensor&
   at::Tensor s = at::matmul(q.to(acc), k.to(acc).transpose(-2, -1)).mul_(scale);
   if (causal) s.masked_fill_(causal_mask(s.size(-1), s), -std::numeric_limits<double>::infinity());
   at::Tensor lse = at::logsumexp(s, -1);
-  return {at::matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.to(acc)), lse};
+  at::Tensor probs = s.sub_(lse.unsqueeze(-1)).exp_();
+  if (keep.defined()) probs.mul_(keep);
+  return {at::matmul(probs, v.to(acc)), lse};
 }
 
 // One step's gradients from the final output and log-sum-exp of its rows; `delta` is
@@ -109,7 +146,8 @@ std::tuple<at::Tensor, at::Tensor> step_forward(Kernel kernel, const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> step_backward(Kernel kernel, const at::Tensor& dout, const at::Tensor& q,
                                                              const at::Tensor& k, const at::Tensor& v,
                                                              const at::Tensor& out, const at::Tensor& lse,
-                                                             const at::Tensor& delta, bool causal, double scale) {
+                                                             const at::Tensor& delta, bool causal, double scale,
+                                                             const at::Tensor& keep) {
   switch (kernel) {
     case Kernel::kFlashCpu:
       return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
@@ -128,9 +166,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step_backward(Kernel kernel, cons
   const at::Tensor qf = q.to(acc), kf = k.to(acc), vf = v.to(acc), dof = dout.to(acc);
   at::Tensor p = at::matmul(qf, kf.transpose(-2, -1)).mul_(scale).sub_(lse.unsqueeze(-1)).exp_();
   if (causal) p.masked_fill_(causal_mask(p.size(-1), p), 0.0);
-  at::Tensor dv = at::matmul(p.transpose(-2, -1), dof);
-  at::Tensor ds = p.mul_(at::matmul(dof, vf.transpose(-2, -1)).sub_(delta.unsqueeze(-1)));
+  at::Tensor dv = at::matmul((keep.defined() ? p * keep : p).transpose(-2, -1), dof);
+  at::Tensor dp = at::matmul(dof, vf.transpose(-2, -1));
+  if (keep.defined()) dp.mul_(keep);
+  at::Tensor ds = p.mul_(dp.sub_(delta.unsqueeze(-1)));
   return {at::matmul(ds, kf).mul_(scale), at::matmul(ds.transpose(-2, -1), qf).mul_(scale), dv};
+}
+
+Dropout dropout_of(double p, const at::Tensor& key, int64_t head_offset, const at::Tensor& q, int64_t c, int64_t r) {
+  Dropout d;
+  if (p == 0) return d;
+  d.p = p;
+  d.key = key;
+  d.heads = at::arange(head_offset, head_offset + q.size(1), q.options().dtype(at::kLong));
+  d.seq = q.size(2) * c;
+  d.cp = c;
+  d.q_positions = context_parallel_positions(d.seq, c, r, q.device());
+  return d;
 }
 
 // The K, V (or dK, dV) block [2, b, groups, 2L, d] sent to `to` while one arrives from `from`.
@@ -141,11 +193,13 @@ comm::Work hop(comm::Group& g, const at::Tensor& send, const at::Tensor& recv, i
 class RingAttention : public torch::autograd::Function<RingAttention> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::string& group, bool causal, double scale, bool use_sdpa) {
+                            const std::string& group, bool causal, double scale, bool use_sdpa, double dropout,
+                            DropoutKey dropout_key, int64_t head_offset) {
     comm::Group g(group);
     const int64_t c = g.size(), r = g.rank(), n = q.size(2), heads = q.size(1);
     const auto acc = acc_type(q.scalar_type());
-    const Kernel kernel = pick_kernel(q, use_sdpa);
+    const Kernel kernel = pick_kernel(q, use_sdpa, dropout);
+    const Dropout drop = dropout_of(dropout, dropout_key.key, head_offset, q, c, r);
     at::Tensor held = at::stack({k, v});  // K and V travel as one message
     at::Tensor out, lse;                  // accumulation dtype: [b, heads, 2L, d], [b, heads, 2L]
     int64_t pairs = 0;
@@ -160,7 +214,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       const StepShape s = step_shape(owner, r, n, causal);
       auto [o, l] = step_forward(kernel, q.narrow(2, s.q_begin, s.q_len),
                                  expand_heads(held[0].narrow(2, s.k_begin, s.k_len), heads),
-                                 expand_heads(held[1].narrow(2, s.k_begin, s.k_len), heads), s.causal, scale);
+                                 expand_heads(held[1].narrow(2, s.k_begin, s.k_len), heads), s.causal, scale,
+                                 drop.scaled_keep(s, owner, q.size(0), acc));
       pairs += unmasked_pairs(s);
       if (i == 0) {  // covers every row (the diagonal, or everything when not causal)
         out = o.to(acc).contiguous();
@@ -181,10 +236,13 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     count_attention_call(pairs);
     at::Tensor result = out.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, result, lse});
+    if (dropout > 0) ctx->saved_data["dropout_key"] = dropout_key.key;
     ctx->saved_data["group"] = group;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["use_sdpa"] = use_sdpa;
+    ctx->saved_data["dropout"] = dropout;
+    ctx->saved_data["head_offset"] = head_offset;
     return result;
   }
 
@@ -192,13 +250,16 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const at::Tensor& dout = grads[0];
-    variable_list result(7);  // q, k, v, then the four non-tensor arguments
+    variable_list result(10);  // q, k, v, then the seven other arguments
     if (!dout.defined()) return result;
     comm::Group g(ctx->saved_data["group"].toStringRef());
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
-    const Kernel kernel = pick_kernel(q, ctx->saved_data["use_sdpa"].toBool());
+    const double dropout = ctx->saved_data["dropout"].toDouble();
+    const Kernel kernel = pick_kernel(q, ctx->saved_data["use_sdpa"].toBool(), dropout);
     const int64_t c = g.size(), r = g.rank(), n = q.size(2), heads = q.size(1), groups = k.size(1);
+    const Dropout drop = dropout_of(dropout, dropout > 0 ? ctx->saved_data["dropout_key"].toTensor() : at::Tensor(),
+                                    ctx->saved_data["head_offset"].toInt(), q, c, r);
     const int64_t prev = (r + c - 1) % c, next_rank = (r + 1) % c;
     const auto dtype = q.scalar_type(), acc = acc_type(dtype);
     at::Tensor delta;
@@ -232,7 +293,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
           kernel, dout.narrow(2, s.q_begin, s.q_len), q.narrow(2, s.q_begin, s.q_len),
           expand_heads(kv[0].narrow(2, s.k_begin, s.k_len), heads),
           expand_heads(kv[1].narrow(2, s.k_begin, s.k_len), heads),
-          out.narrow(2, s.q_begin, s.q_len), lse.narrow(2, s.q_begin, s.q_len), rows_delta, s.causal, scale);
+          out.narrow(2, s.q_begin, s.q_len), lse.narrow(2, s.q_begin, s.q_len), rows_delta, s.causal, scale,
+          drop.scaled_keep(s, owner, q.size(0), acc));
       dq.narrow(2, s.q_begin, s.q_len).add_(dq_s);
       dkv = at::zeros(own.sizes(), own.options().dtype(acc));
       dkv[0].narrow(2, s.k_begin, s.k_len).copy_(reduce_heads(dk_s.to(acc), groups));
@@ -259,7 +321,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const ContextParallelAttentionOptions& options) {
   return RingAttention::apply(q, k, v, options.group(), options.causal(), attention_scale(options, q.size(3)),
-                              options.use_sdpa());
+                              options.use_sdpa(), options.dropout(), DropoutKey{options.dropout_key()},
+                              options.head_offset());
 }
 
 }  // namespace megatorch::transformer::detail

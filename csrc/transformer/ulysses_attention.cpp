@@ -5,6 +5,9 @@
 // Communication: three all-to-alls in (q, k, v, each its own: they differ in heads under
 // GQA) and one out (the output, q's size); backward the same four on the gradients.
 // Each counts (c-1)/c of its input's bytes (comm_stats.h).
+//
+// With attention dropout the local attention is keyed_dropout_attention over this rank's
+// slice of the heads (attention_dropout.h), so it drops what the ring and one rank drop.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
@@ -13,6 +16,7 @@
 
 #include "context_parallel_internal.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/transformer/attention_dropout.h"
 
 namespace megatorch::transformer::detail {
 namespace {
@@ -55,9 +59,19 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const at::Tensor natural = at::argsort(order);  // natural[p]: where position p sits
   // [b, h, 2L, d] -> [b, h/c, S, d] in natural order, and back.
   auto to_heads = [&](const at::Tensor& x) { return AllToAll::apply(x, group, 1, 2).index_select(2, natural); };
-  const at::Tensor o = at::scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), std::nullopt, 0.0,
-                                                        options.causal(), attention_scale(options, q.size(3)),
-                                                        /*enable_gqa=*/groups < heads);
+  const double scale = attention_scale(options, q.size(3));
+  at::Tensor o;
+  if (options.dropout() > 0) {
+    // This rank holds heads [rank·heads/c, (rank+1)·heads/c) of its TP rank's.
+    const int64_t mine = heads / c, first = options.head_offset() + g.rank() * mine;
+    const at::Tensor positions = at::arange(seq, q.options().dtype(at::kLong));
+    o = keyed_dropout_attention(to_heads(q), to_heads(k), to_heads(v), positions, positions,
+                                at::arange(first, first + mine, positions.options()), options.dropout_key(),
+                                options.dropout(), options.causal(), scale);
+  } else {
+    o = at::scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), std::nullopt, 0.0, options.causal(),
+                                         scale, /*enable_gqa=*/groups < heads);
+  }
   // Per sample and head of q's `heads`: this rank's heads/c heads each attend S(S+1)/2
   // pairs (S^2 unmasked), i.e. S(S+1)/2c = L(S+1) per head: the ring's (2c-1)L^2 + L(L+1).
   count_attention_call(options.causal() ? seq * (seq + 1) / 2 / c : n * seq);

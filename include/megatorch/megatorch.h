@@ -22,6 +22,7 @@
 #include "megatorch/tp/tp_group.h"
 #include "megatorch/tp/vocab_parallel_embedding.h"
 #include "megatorch/transformer/attention.h"
+#include "megatorch/transformer/attention_dropout.h"
 #include "megatorch/transformer/config.h"
 #include "megatorch/transformer/context_parallel.h"
 #include "megatorch/transformer/mlp.h"

@@ -1,10 +1,12 @@
 // Context-parallel attention (context_parallel.h) against SDPA on the whole sequence:
 // every rank builds the same full q, k, v, takes its part with context_parallel_slice and
 // checks its slice of the output and of the gradients; plus the layout, the refusals,
-// the work counters and the exact bytes on the CP group.
+// the work counters and the exact bytes on the CP group. With attention dropout the
+// reference applies the keyed mask (attention_dropout.h) to the whole sequence's softmax.
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -21,6 +23,7 @@ using megatorch::transformer::context_parallel_slice;
 using megatorch::transformer::ContextParallelAttentionOptions;
 using megatorch::transformer::CpCommType;
 using megatorch::transformer::reset_context_parallel_counters;
+namespace transformer = megatorch::transformer;
 
 namespace {
 
@@ -31,13 +34,18 @@ struct Case {
   bool causal;
   CpCommType comm;
   bool sdpa;
+  double dropout = 0.0;
+  int64_t head_offset = 0;  // q's first head's global index: the dropout mask's head key
   std::string describe(int64_t c) const {
     std::ostringstream s;
     s << megatorch::transformer::to_string(comm) << " c=" << c << " heads=" << heads << " groups=" << groups
-      << (causal ? " causal" : " bidirectional") << (sdpa ? " sdpa" : " math");
+      << (causal ? " causal" : " bidirectional") << (sdpa ? " sdpa" : " math") << " dropout=" << dropout
+      << " head_offset=" << head_offset;
     return s.str();
   }
 };
+
+const at::Tensor kDropoutKey = torch::tensor(int64_t{0x5eed1234abcdLL});
 
 // The same full tensors on every rank: q, k, v and the upstream gradient, fp32.
 struct Full {
@@ -51,7 +59,25 @@ Full make_full(int64_t heads, int64_t groups, uint64_t seed) {
 }
 
 ContextParallelAttentionOptions options(const std::string& group, const Case& c) {
-  return ContextParallelAttentionOptions(group).comm_type(c.comm).causal(c.causal).use_sdpa(c.sdpa);
+  auto o = ContextParallelAttentionOptions(group).comm_type(c.comm).causal(c.causal).use_sdpa(c.sdpa);
+  if (c.dropout > 0) o.dropout(c.dropout).dropout_key(kDropoutKey).head_offset(c.head_offset);
+  return o;
+}
+
+// Attention on the whole sequence: SDPA, or with dropout softmax · keep / (1 - p) written out.
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Case& c) {
+  if (c.dropout == 0) {
+    return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, c.causal, std::nullopt,
+                                            /*enable_gqa=*/c.groups < c.heads);
+  }
+  const at::Tensor ke = k.repeat_interleave(c.heads / c.groups, 1), ve = v.repeat_interleave(c.heads / c.groups, 1);
+  at::Tensor scores = at::matmul(q, ke.transpose(-2, -1)) / std::sqrt(static_cast<double>(kHeadDim));
+  if (c.causal) scores = scores.masked_fill(torch::ones({kSeq, kSeq}, torch::kBool).triu(1), -INFINITY);
+  const at::Tensor positions = torch::arange(kSeq, torch::kLong);
+  const at::Tensor keep = transformer::attention_dropout_keep(
+      kDropoutKey, kBatch, torch::arange(c.head_offset, c.head_offset + c.heads, torch::kLong), positions, positions,
+      c.dropout);
+  return at::matmul(at::softmax(scores, -1) * keep / (1 - c.dropout), ve);
 }
 
 // This rank's slice of the output and of dq, dk, dv against SDPA on the whole sequence.
@@ -62,8 +88,7 @@ void check_parity(const std::string& group, const Case& c, torch::Dtype dtype = 
   INFO(c.describe(cp) << " " << c10::toString(dtype));
   const Full f = make_full(c.heads, c.groups, 1234 + c.heads * 10 + c.groups);
   auto q = f.q.clone().requires_grad_(), k = f.k.clone().requires_grad_(), v = f.v.clone().requires_grad_();
-  at::Tensor ref = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, c.causal, std::nullopt,
-                                                    /*enable_gqa=*/c.groups < c.heads);
+  at::Tensor ref = reference_attention(q, k, v, c);
   ref.backward(f.grad);
   auto mine = [&](const at::Tensor& x) { return context_parallel_slice(x, 2, cp, r); };
   // Fresh leaves (a group of one rank slices nothing).
@@ -165,6 +190,32 @@ TEST_CASE("Ulysses attention matches SDPA on the whole sequence, and refuses hea
   const ContextParallelAttentionOptions ring(world);
   CHECK_THROWS_WITH(context_parallel_attention(mine(g3.q), mine(g3.k), mine(g3.v), ring),
                     Catch::Contains("expected the query heads (4) to be a multiple of the key/value heads (3)"));
+}
+
+TEST_CASE("context-parallel attention with dropout drops the keyed mask's pairs, at every c and comm type",
+          "[mp][context_parallel]") {
+  auto st = mp::state(1, 1, "cp_dropout");
+  const std::string world = st->group_name(GroupKind::kWorld);
+  const int64_t c = mp::world_size();
+  for (bool causal : {true, false}) {
+    for (int64_t groups : {4, 2}) check_parity(world, {4, groups, causal, CpCommType::kP2P, true, 0.3, 5});
+    check_parity(world, {2 * c, c, causal, CpCommType::kA2A, true, 0.3, 5});
+  }
+  const std::string alone = st->group_name(GroupKind::kPipeline);  // c = 1: the same mask
+  check_parity(alone, {4, 2, true, CpCommType::kP2P, true, 0.3, 0});
+  if (c % 2 == 0) {  // CP groups inside the world, as TP x CP layouts make them
+    auto sub = mp::state(2, 1, "cp_dropout_sub");
+    check_parity(sub->group_name(GroupKind::kTensor), {4, 2, true, CpCommType::kP2P, false, 0.5, 4});
+  }
+  // The mask is not optional.
+  const Full f = make_full(4, 4, 9);
+  auto mine = [&](const at::Tensor& x) { return context_parallel_slice(x, 2, c, mp::rank()); };
+  CHECK_THROWS_WITH(
+      context_parallel_attention(mine(f.q), mine(f.k), mine(f.v), ContextParallelAttentionOptions(world).dropout(0.1)),
+      Catch::Contains("needs a one-element int64 dropout_key") && Catch::Contains("draw_attention_dropout_key"));
+  CHECK_THROWS_WITH(
+      context_parallel_attention(mine(f.q), mine(f.k), mine(f.v), ContextParallelAttentionOptions(world).dropout(1.0)),
+      Catch::Contains("expected a dropout probability in [0, 1), got 1"));
 }
 
 TEST_CASE("bf16 context-parallel attention on CPU", "[mp][context_parallel]") {

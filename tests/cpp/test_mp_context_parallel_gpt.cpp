@@ -44,6 +44,51 @@ std::vector<pipeline::MicroBatch> micro_batches(const gpt_test::TransformerConfi
   return mbs;
 }
 
+// Builds `config`'s stage on `st`, runs one step on `mbs` and checks its loss and every
+// gradient against `full` (the whole model, backward already run on the same micro-batches,
+// mean loss `ref_loss`).
+void check_stage_against(const megatorch::parallel::ParallelState& st, const CpLayout& layout,
+                         const gpt_test::TransformerConfig& config, const std::vector<pipeline::MicroBatch>& mbs,
+                         GPTModel& full, const at::Tensor& ref_loss) {
+  Group tpg(st, GroupKind::kTensor), cpg(st, GroupKind::kContext);
+  pipeline::PipelineStage stage(pipeline::PipelineStageOptions(config).tp_group(tpg.name()).pp_group(
+      layout.pp > 1 ? st.group_name(GroupKind::kPipeline) : ""));
+  REQUIRE(stage->context_parallel_size() == layout.cp);
+  REQUIRE(stage->activation_shape(2)[0] == config.seq_length() / layout.cp / (layout.sp ? layout.tp : 1));
+  auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions());
+  stage->allreduce_tied_grads();
+  stage->allreduce_sequence_parallel_grads();
+  // What the optimizer does over DP x CP (here DP x CP = CP per replica): sum, then
+  // divide by its size; every CP rank's loss is c times its share.
+  const double c = static_cast<double>(layout.cp);
+  if (st.pp_rank() == layout.pp - 1) {
+    REQUIRE(result.loss.defined());
+    at::Tensor loss = result.loss.to(at::kDouble).reshape({1});
+    cpg.all_reduce(loss);
+    CHECK(loss.item<double>() / c == Approx(ref_loss.item<double>()).epsilon(1e-5));
+  }
+  gpt_test::for_each_stage_gradient(
+      stage, full, config, tpg.rank(), tpg.size(),
+      [&](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
+        at::Tensor grad = p.grad().clone();
+        cpg.all_reduce(grad);
+        grad.div_(c);
+        INFO(key << " (" << name << ")");
+        CHECK_CLOSE(grad, want);
+      });
+}
+
+// The whole model's mean loss over `mbs`, its gradients left in `full`.
+at::Tensor reference_step(GPTModel& full, const std::vector<pipeline::MicroBatch>& mbs) {
+  at::Tensor ref_loss = torch::zeros({});
+  for (const auto& mb : mbs) {
+    auto l = full->loss(mb.ids, mb.labels) / static_cast<double>(mbs.size());
+    l.backward();
+    ref_loss = ref_loss + l.detach();
+  }
+  return ref_loss;
+}
+
 }  // namespace
 
 TEST_CASE("GPT at context-parallel size c gives the whole sequence's loss and gradients", "[mp][context_parallel]") {
@@ -87,39 +132,63 @@ TEST_CASE("GPT at context-parallel size c gives the whole sequence's loss and gr
           const auto mbs = micro_batches(ref_config, m);
           // Reference: the whole model on whole sequences, one rank.
           GPTModel full{GPTModelOptions(ref_config)};
-          at::Tensor ref_loss = torch::zeros({});
-          for (const auto& mb : mbs) {
-            auto l = full->loss(mb.ids, mb.labels) / static_cast<double>(m);
-            l.backward();
-            ref_loss = ref_loss + l.detach();
-          }
-          pipeline::PipelineStage stage(
-              pipeline::PipelineStageOptions(config)
-                  .tp_group(tpg.name())
-                  .pp_group(layout.pp > 1 ? st->group_name(GroupKind::kPipeline) : ""));
-          REQUIRE(stage->context_parallel_size() == layout.cp);
-          REQUIRE(stage->activation_shape(2)[0] == seq / layout.cp / (layout.sp ? layout.tp : 1));
-          auto result = pipeline::run_pipeline_step(stage, mbs, pipeline::ExecutorOptions());
-          stage->allreduce_tied_grads();
-          stage->allreduce_sequence_parallel_grads();
-          // What the optimizer does over DP x CP (here DP x CP = CP per replica): sum, then
-          // divide by its size; every CP rank's loss is c times its share.
-          const double c = static_cast<double>(layout.cp);
-          if (st->pp_rank() == layout.pp - 1) {
-            REQUIRE(result.loss.defined());
-            at::Tensor loss = result.loss.to(at::kDouble).reshape({1});
-            cpg.all_reduce(loss);
-            CHECK(loss.item<double>() / c == Approx(ref_loss.item<double>()).epsilon(1e-5));
-          }
-          gpt_test::for_each_stage_gradient(
-              stage, full, config, tpg.rank(), tpg.size(),
-              [&](const std::string& key, const std::string& name, const at::Tensor& p, const at::Tensor& want) {
-                at::Tensor grad = p.grad().clone();
-                cpg.all_reduce(grad);
-                grad.div_(c);
-                INFO(key << " (" << name << ")");
-                CHECK_CLOSE(grad, want);
-              });
+          const at::Tensor ref_loss = reference_step(full, mbs);
+          check_stage_against(*st, layout, config, mbs, full, ref_loss);
+        }
+      }
+    }
+  }
+  CHECK(cases > 0);
+}
+
+// Attention dropout under CP draws its mask by position and global head
+// (attention_dropout.h): the whole model on whole sequences draws the same mask when its
+// attention takes the same path on a CP group of one rank, so every layout matches it.
+// Hidden dropout stays 0 (its CPU masks depend on how many tokens a rank holds), and the
+// pipeline stays 1 (a stage draws its layers' keys from its own generator).
+TEST_CASE("attention dropout under context parallelism drops what one rank drops", "[mp][context_parallel]") {
+  const int64_t world = mp::world_size();
+  if (world < 2) return;
+  std::vector<CpLayout> layouts{{1, 1, world, false}};
+  if (world == 4) layouts.push_back({2, 1, 2, true});
+  auto alone = mp::state(1, 1, "cpdrop_one", 1);  // every rank its own CP group of one
+  const std::string one = alone->group_name(GroupKind::kContext);
+  REQUIRE(Group(one).size() == 1);
+  int64_t cases = 0;
+  for (const auto& layout : layouts) {
+    auto st = mp::state(layout.tp, layout.pp, "cpdrop_" + std::to_string(cases), layout.cp);
+    for (const auto& variant : gpt_test::variants()) {
+      if (variant.name == "mha-learned-gelu-untied") continue;
+      for (CpCommType comm : {CpCommType::kP2P, CpCommType::kA2A}) {
+        const auto& base = variant.config;
+        if (comm == CpCommType::kA2A &&
+            (base.num_attention_heads() / layout.tp % layout.cp || base.query_groups() / layout.tp % layout.cp)) {
+          continue;
+        }
+        for (Recompute recompute : {Recompute::kNone, Recompute::kSelective}) {
+          ++cases;
+          INFO(variant.name << " " << describe(layout) << " " << megatorch::transformer::to_string(comm)
+                            << " recompute " << megatorch::transformer::to_string(recompute));
+          const auto ref_config = gpt_test::TransformerConfig(base)
+                                      .seq_length(16)
+                                      .num_layers(2)
+                                      .hidden_dropout(0.0)
+                                      .attention_dropout(0.25)
+                                      .context_parallel_group(one);
+          const auto config = gpt_test::TransformerConfig(ref_config)
+                                  .sequence_parallel(layout.sp)
+                                  .recompute(recompute)
+                                  .context_parallel_group(st->group_name(GroupKind::kContext))
+                                  .cp_comm_type(comm);
+          const auto mbs = micro_batches(ref_config, 2);
+          // Each model seeds the default generator as it is built, so both draw the same keys.
+          GPTModel full{GPTModelOptions(ref_config)};
+          const at::Tensor ref_loss = reference_step(full, mbs);
+          check_stage_against(*st, layout, config, mbs, full, ref_loss);
+          // The mask matters: without it the loss moves by more than the tolerance above
+          // (about 2e-4 relative at initialisation, where attention is nearly uniform).
+          GPTModel plain{GPTModelOptions(gpt_test::TransformerConfig(ref_config).attention_dropout(0.0))};
+          CHECK(reference_step(plain, mbs).item<double>() != Approx(ref_loss.item<double>()).epsilon(1e-5));
         }
       }
     }
@@ -137,8 +206,6 @@ TEST_CASE("context parallelism refuses what it cannot split, by name", "[mp][con
   // An odd length never splits into 2c chunks.
   CHECK_THROWS_WITH(GPTModel(GPTModelOptions(gpt_test::TransformerConfig(base).seq_length(seq + 1))),
                     Catch::Contains("divisible by 2 x the context-parallel size"));
-  CHECK_THROWS_WITH(GPTModel(GPTModelOptions(gpt_test::TransformerConfig(base).seq_length(seq).attention_dropout(0.1))),
-                    Catch::Contains("attention_dropout 0 with context parallelism"));
   // Ulysses splits heads: one key/value head does not split over c >= 2.
   CHECK_THROWS_WITH(
       GPTModel(GPTModelOptions(gpt_test::TransformerConfig(base)

@@ -61,23 +61,13 @@ struct RankTrace {
 bool nccl_check_enabled();
 void set_nccl_check_enabled(bool on);
 
-// Pauses recording on this process while alive (a test that mis-orders ops on purpose,
-// to see Gloo or an error path handle it); groups still follow NCCL's rules.
-class NcclTracePause {
- public:
-  NcclTracePause();
-  ~NcclTracePause();
-  NcclTracePause(const NcclTracePause&) = delete;
-  NcclTracePause& operator=(const NcclTracePause&) = delete;
-};
-
 // The communicator string of `pg` (as `name` resolved it): its group name and description,
 // which megatorch's groups make unique per instance and equal on every member.
 std::string comm_identity(const c10d::ProcessGroup& pg, const std::string& name);
 
 namespace detail {
 // Recording, for comm::Group. Each returns the op's handle for trace_wait, or -1 when
-// nothing is recorded (check off or paused).
+// nothing is recorded (check off).
 int64_t trace_op(TracedOp op);
 void trace_wait(int64_t handle);
 }  // namespace detail

@@ -68,7 +68,6 @@ class ParamSharding : public std::enable_shared_from_this<ParamSharding> {
   // ZeRO-3 under a split-backward schedule (above); TrainingLoop sets it for zb-h1, zb-v
   // and dualpipev.
   void set_split_backward(bool on) { split_backward_ = on; }
-  bool split_backward() const { return split_backward_; }
   // The unit whose backward is starting (a GatherBeforeBackward node): gathers it, and
   // under a split backward frees the unit whose input-gradient pass just ended.
   void begin_unit_backward(int64_t unit);

@@ -50,9 +50,17 @@ struct ContextParallelAttentionOptions {
   // (flash attention on CPU, and on CUDA for fp16/bf16); false: the math path (explicit
   // scores, any device and dtype). Same numbers to rounding.
   TORCH_ARG(bool, use_sdpa) = true;
+  // Attention dropout: the probability of dropping a (query, key) pair, 0 for none. Above 0
+  // the mask is keyed by position (attention_dropout.h): `dropout_key` (one int64 from
+  // draw_attention_dropout_key, the same on every rank of the group) and the global index
+  // of q's first head (TP rank x heads per TP rank) choose it, so every CP size and comm
+  // type drops the same pairs. Each piece then runs the math path.
+  TORCH_ARG(double, dropout) = 0.0;
+  TORCH_ARG(at::Tensor, dropout_key) = {};
+  TORCH_ARG(int64_t, head_offset) = 0;
 };
 
-// Attention of this rank's queries over the whole sequence. q [b, heads, 2L, d], k and v
+// Attention of this rank's queries over the whole sequence (with dropout when asked). q [b, heads, 2L, d], k and v
 // [b, groups, 2L, d] (heads divisible by groups: GQA), laid out as
 // context_parallel_positions says; returns [b, heads, 2L, d]. Differentiable in q, k, v.
 // Every rank of the group calls it with the same shapes.
