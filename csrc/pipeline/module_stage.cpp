@@ -8,6 +8,7 @@
 #include "megatorch/check.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/tp/parameter_layout.h"
+#include "megatorch/transformer/context_parallel.h"
 #include "megatorch/util/fnv1a.h"
 #include "megatorch/util/module_tree.h"
 
@@ -64,6 +65,19 @@ void ModuleStageImpl::reset() {
     comm::Group pp(options.pp_group());
     pp_rank_ = pp.rank();
     pp_size_ = pp.size();
+  }
+  if (!options.cp_group().empty()) {
+    comm::Group cp(options.cp_group());
+    cp_rank_ = cp.rank();
+    cp_size_ = cp.size();
+  }
+  MEGATORCH_CHECK(cp_size_ == 1 || !options.sequence_dims().empty(), "ModuleStage: the CP group '", options.cp_group(),
+                  "' splits each sequence over ", cp_size_, " ranks, but no micro-batch tensor is named to split; pass "
+                  "ModuleStageOptions().sequence_dims({{\"", options.input(), "\", 1}, {\"targets\", 1}}) with the ",
+                  "tensors that hold the sequence and their sequence dim");
+  for (const auto& [name, dim] : options.sequence_dims()) {
+    MEGATORCH_CHECK(dim >= 0, "ModuleStage: sequence_dims['", name, "'] is ", dim, "; expected the sequence's dim as ",
+                    "a non-negative index");
   }
   auto list = register_module("chunks", torch::nn::ModuleList());
   for (auto& c : chunks_) {
@@ -160,6 +174,7 @@ void ModuleStageImpl::prepare(const std::vector<MicroBatch>& mbs) {
                     key, " for micro-batch 0 and ", shapes_key(mbs[i]), " for micro-batch ", i);
   }
   if (is_first_virtual_stage(0) && !options.forward()) mbs[0].get(options.input());  // names what is missing
+  local_micro_batch(mbs[0]);  // names a sequence tensor that is missing or does not split
   if (key == specs_key_) return;
   const int64_t stages = pp_size_ * num_chunks();
   if (options.activation()) {
@@ -222,10 +237,11 @@ at::Tensor ModuleStageImpl::run_chunk(int64_t c, const at::Tensor& input, const 
     for (int64_t u = h.first; u <= h.last; ++u) h.hooks->before_forward(u);
   }
   at::Tensor out;
+  const MicroBatch local = local_micro_batch(mb);
   if (options.forward()) {
-    out = options.forward()(chunks_[c], virtual_stage(c), input, mb);
+    out = options.forward()(chunks_[c], virtual_stage(c), input, local);
   } else {
-    out = chunks_[c].forward<at::Tensor>(input.defined() ? input : mb.get(options.input()));
+    out = chunks_[c].forward<at::Tensor>(input.defined() ? input : local.get(options.input()));
   }
   if (wrap) {
     // The root last, so its gather runs first in backward (as GPTModel's head).
@@ -250,10 +266,31 @@ at::Tensor ModuleStageImpl::forward_chunk(int64_t c, const at::Tensor& input, co
 }
 
 at::Tensor ModuleStageImpl::micro_batch_loss(const at::Tensor& output, const MicroBatch& mb) {
-  at::Tensor loss = options.loss()(output, mb);
+  at::Tensor loss = options.loss()(output, local_micro_batch(mb));
   MEGATORCH_CHECK(loss.defined() && loss.numel() == 1, "ModuleStage: expected the loss function to return a scalar "
                   "(the micro-batch's mean loss), got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
   return loss.reshape({});
+}
+
+MicroBatch ModuleStageImpl::local_micro_batch(const MicroBatch& mb) const {
+  if (cp_size_ == 1) return mb;
+  MicroBatch local = mb;
+  for (const auto& [name, dim] : options.sequence_dims()) {
+    const at::Tensor& whole = mb.get(name);
+    MEGATORCH_CHECK(dim < whole.dim() && whole.size(dim) % (2 * cp_size_) == 0, "ModuleStage: micro-batch tensor '",
+                    name, "' of shape ", whole.sizes(), " holds the sequence along dim ", dim, " (sequence_dims), ",
+                    "which must exist and divide into 2 x ", cp_size_, " chunks (the CP size: each rank holds two); ",
+                    "pad the sequence or fix sequence_dims");
+    at::Tensor part = transformer::context_parallel_slice(whole, dim, cp_size_, cp_rank_);
+    if (name == "ids") {
+      local.ids = part;
+    } else if (name == "labels") {
+      local.labels = part;
+    } else {
+      local.tensors[name] = part;
+    }
+  }
+  return local;
 }
 
 void ModuleStageImpl::allreduce_sequence_parallel_grads() {

@@ -127,7 +127,8 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
   MEGATORCH_CHECK(stage->context_parallel_size() == state_->cp_size(), "TrainingLoop::set_model: the loop runs "
                   "context-parallel size ", state_->cp_size(), " but the stage splits sequences over ",
                   stage->context_parallel_size(), " ranks; build GPT's PipelineStage on a config whose "
-                  "context_parallel_group is loop.cp_group() (a ModuleStage sees whole sequences: context_parallel 1)");
+                  "context_parallel_group is loop.cp_group(), or pass ModuleStageOptions().cp_group(loop.cp_group()) "
+                  "with the micro-batch's sequence_dims");
   MEGATORCH_CHECK(stage->device() == state_->device(), "TrainingLoop::set_model: the stage runs on ", stage->device(),
                   " but the loop on ", state_->device(), "; build the chunks on loop.device() and pass it to the "
                   "stage (ModuleStageOptions::device)");

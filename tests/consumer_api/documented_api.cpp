@@ -139,6 +139,23 @@ void training_loop() {
              [&](int64_t i) { return my_validation_batches(i, loop.dp_rank()); });
 }
 
+// docs/custom_models.md, "Context parallelism in your own model" (my_chunks: the
+// model's chunks, whose attention crosses the CP group).
+std::vector<torch::nn::AnyModule> my_cp_chunks(const std::string& cp_group) { return my_chunks("", 0); }
+void context_parallel_module_stage() {
+  train::TrainingLoop loop(train::TrainingLoopOptions().context_parallel(2));
+  pipeline::ModuleStage stage(my_cp_chunks(loop.cp_group()),
+      pipeline::ModuleStageOptions()
+          .pp_group(loop.pp_group())
+          .cp_group(loop.cp_group())
+          .sequence_dims({{"tokens", 1}, {"targets", 1}})  // [b, s] both: cut along dim 1
+          .input("tokens")
+          .loss([](const at::Tensor& logits, const pipeline::MicroBatch& mb) {
+            return at::cross_entropy_loss(logits.flatten(0, 1), mb.get("targets").flatten());
+          }));
+  loop.set_model(stage.ptr());
+}
+
 // docs/checkpoints.md.
 void checkpoints(pipeline::PipelineStage& stage, const transformer::TransformerConfig& config,
                  const parallel::ParallelState& state, const std::string& world, int64_t iteration, int64_t n,

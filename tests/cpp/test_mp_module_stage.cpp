@@ -329,3 +329,178 @@ TEST_CASE("tied parameters: any number of copies, on one rank or many, end equal
   if (r == 0) lonely.push_back({"alone", 0, torch::zeros({1})});
   CHECK_THROWS_WITH(pipeline::TiedParameters(lonely, ppg.name(), 1), Catch::Contains("single copy"));
 }
+
+namespace {
+
+// A user's sequence model for context parallelism: token and learned position embeddings,
+// pre-norm-free blocks of causal self-attention (its own projections, attention through
+// transformer::context_parallel_attention on the CP group, SDPA without one) and a GeLU
+// MLP, a LayerNorm and an untied head. Activations [b, s, h]; every parameter drawn from
+// its name, so any split of the layers starts from the same numbers.
+constexpr int64_t kVocab = 11, kSeqHidden = 16, kHeads = 2, kSeq = 16, kSeqLayers = 2;
+
+at::Tensor named_param(const std::string& name, int64_t rows, int64_t cols) {
+  return tp::init_shard(tp::ShardSpec{{rows, cols}, -1, 0, 1, 1}, name, 5, tp::InitMethod::kNormal, 0.2);
+}
+
+struct SeqChunkImpl : torch::nn::Cloneable<SeqChunkImpl> {
+  SeqChunkImpl(bool first, bool last, int64_t begin, int64_t end, std::string cp_group)
+      : first(first), last(last), begin(begin), end(end), cp_group(std::move(cp_group)) {
+    reset();
+  }
+  void reset() override {
+    if (first) {
+      embedding = register_parameter("embedding", named_param("embedding", kVocab, kSeqHidden));
+      position = register_parameter("position", named_param("position", kSeq, kSeqHidden));
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      const std::string n = "layers." + std::to_string(i) + ".";
+      qkv.push_back(register_parameter("qkv" + std::to_string(i), named_param(n + "qkv", 3 * kSeqHidden, kSeqHidden)));
+      out.push_back(register_parameter("out" + std::to_string(i), named_param(n + "out", kSeqHidden, kSeqHidden)));
+      fc1.push_back(register_parameter("fc1" + std::to_string(i), named_param(n + "fc1", 2 * kSeqHidden, kSeqHidden)));
+      fc2.push_back(register_parameter("fc2" + std::to_string(i), named_param(n + "fc2", kSeqHidden, 2 * kSeqHidden)));
+    }
+    if (last) {
+      norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kSeqHidden})));
+      head = register_parameter("head", named_param("head", kVocab, kSeqHidden));
+    }
+  }
+  at::Tensor attention(const at::Tensor& x, size_t i) const {
+    const int64_t b = x.size(0), s = x.size(1), d = kSeqHidden / kHeads;
+    const auto parts = at::matmul(x, qkv[i].t()).view({b, s, 3, kHeads, d}).permute({2, 0, 3, 1, 4});
+    const at::Tensor o = cp_group.empty()
+                             ? at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, 0.0, true)
+                             : megatorch::transformer::context_parallel_attention(
+                                   parts[0], parts[1], parts[2],
+                                   megatorch::transformer::ContextParallelAttentionOptions(cp_group));
+    return at::matmul(o.permute({0, 2, 1, 3}).reshape({b, s, kSeqHidden}), out[i].t());
+  }
+  at::Tensor forward(const at::Tensor& input) {
+    at::Tensor x = input;
+    if (first) {
+      // This rank's tokens sit at context_parallel_positions in the whole sequence.
+      const int64_t c = cp_group.empty() ? 1 : Group(cp_group).size(), r = cp_group.empty() ? 0 : Group(cp_group).rank();
+      const at::Tensor positions = megatorch::transformer::context_parallel_positions(input.size(1) * c, c, r);
+      x = embedding.index_select(0, input.reshape(-1)).view({input.size(0), input.size(1), kSeqHidden}) +
+          position.index_select(0, positions);
+    }
+    for (size_t i = 0; i < qkv.size(); ++i) {
+      x = x + attention(x, i);
+      x = x + at::matmul(at::gelu(at::matmul(x, fc1[i].t())), fc2[i].t());
+    }
+    return last ? at::matmul(norm->forward(x), head.t()) : x;
+  }
+  bool first, last;
+  int64_t begin, end;
+  std::string cp_group;
+  at::Tensor embedding, position, head;
+  std::vector<at::Tensor> qkv, out, fc1, fc2;
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(SeqChunk);
+
+// The mean over the tokens the stage hands it: this CP rank's share.
+at::Tensor seq_loss(const at::Tensor& logits, const pipeline::MicroBatch& mb) {
+  return at::cross_entropy_loss(logits.reshape({-1, kVocab}), mb.get("targets").reshape(-1));
+}
+
+std::vector<pipeline::MicroBatch> seq_batches(int64_t m, int64_t b, int64_t seed) {
+  std::vector<pipeline::MicroBatch> out;
+  for (int64_t i = 0; i < m; ++i) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(seed + i);
+    pipeline::MicroBatch mb;
+    mb.tensors["tokens"] = at::randint(kVocab, {b, kSeq}, g, at::kLong);
+    mb.tensors["targets"] = at::randint(kVocab, {b, kSeq}, g, at::kLong);
+    out.push_back(std::move(mb));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a user's sequence model in a ModuleStage trains at context-parallel size c like one rank",
+          "[mp][module_stage][context_parallel]") {
+  const int64_t world = mp::world_size();
+  if (world < 2) return;
+  const int64_t m = 2, b = 2, iters = 3;
+  std::vector<std::pair<int64_t, int64_t>> layouts{{1, world}};  // (pp, cp)
+  if (world == 4) layouts.push_back({2, 2});
+  // One rank, the whole model, torch's AdamW.
+  SeqChunk full(true, true, 0, kSeqLayers, "");
+  torch::optim::AdamW adam(full->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  const auto source = [&](int64_t step) { return seq_batches(m, b, 100 * step); };
+  std::vector<double> want;
+  for (int64_t step = 0; step < iters; ++step) {
+    adam.zero_grad();
+    at::Tensor loss = torch::zeros({});
+    for (const auto& mb : source(step)) {
+      loss += seq_loss(full->forward(mb.get("tokens")), mb) / static_cast<double>(m);
+    }
+    loss.backward();
+    adam.step();
+    want.push_back(loss.item<double>());
+  }
+  for (const auto& [p, c] : layouts) {
+    INFO("pp " << p << " cp " << c);
+    train::TrainingLoop loop(train::TrainingLoopOptions()
+                                 .pipeline_parallel(p)
+                                 .context_parallel(c)
+                                 .device("cpu")
+                                 .zero_stage(1)
+                                 .num_micro_batches(m)
+                                 .micro_batch_size(b)
+                                 .train_iters(iters)
+                                 .lr(1e-2)
+                                 .lr_decay_style("constant")
+                                 .weight_decay(0)
+                                 .clip_grad(0)
+                                 .log_interval(1000)
+                                 .print_summary(false)
+                                 .name("seq_cp_" + std::to_string(p)));
+    const int64_t rank = loop.parallel_state().pp_rank(), per = kSeqLayers / p;
+    std::vector<torch::nn::AnyModule> chunks{
+        torch::nn::AnyModule(SeqChunk(rank == 0, rank == p - 1, rank * per, (rank + 1) * per, loop.cp_group()))};
+    const auto options = pipeline::ModuleStageOptions()
+                             .pp_group(loop.pp_group())
+                             .cp_group(loop.cp_group())
+                             .sequence_dims({{"tokens", 1}, {"targets", 1}})
+                             .input("tokens")
+                             .loss(seq_loss);
+    pipeline::ModuleStage stage(chunks, options);
+    REQUIRE(stage->context_parallel_size() == c);
+    loop.set_model(stage.ptr());
+    std::vector<double> losses;
+    loop.on_iteration = [&](const train::IterationStats& s) { losses.push_back(s.loss); };
+    loop.train(source);
+    REQUIRE(losses.size() == want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      INFO("step " << i);
+      CHECK(losses[i] == Approx(want[i]).margin(1e-5));
+    }
+    // What the chunks see: this rank's share of each named tensor, the rest whole.
+    const auto mb = source(0)[0];
+    const auto local = stage->local_micro_batch(mb);
+    const Group cp(loop.cp_group());
+    CHECK(torch::equal(local.get("tokens"),
+                       megatorch::transformer::context_parallel_slice(mb.get("tokens"), 1, c, cp.rank())));
+    CHECK(local.get("tokens").size(1) == kSeq / c);
+  }
+  // Loud: a CP stage must name what to split, and what it names must split.
+  train::TrainingLoop loop(train::TrainingLoopOptions().context_parallel(world).device("cpu").print_summary(false)
+                               .name("seq_cp_bad"));
+  std::vector<torch::nn::AnyModule> chunks{torch::nn::AnyModule(SeqChunk(true, true, 0, 1, loop.cp_group()))};
+  CHECK_THROWS_WITH(pipeline::ModuleStage(chunks, pipeline::ModuleStageOptions().cp_group(loop.cp_group())
+                                                      .input("tokens").loss(seq_loss)),
+                    Catch::Contains("no micro-batch tensor is named to split") &&
+                        Catch::Contains("sequence_dims({{\"tokens\", 1}"));
+  pipeline::ModuleStage odd(chunks, pipeline::ModuleStageOptions()
+                                        .cp_group(loop.cp_group())
+                                        .sequence_dims({{"tokens", 1}, {"targets", 0}})
+                                        .input("tokens")
+                                        .loss(seq_loss));
+  CHECK_THROWS_WITH(odd->prepare(seq_batches(1, 3, 1)), Catch::Contains("micro-batch tensor 'targets' of shape [3, 16]") &&
+                                                            Catch::Contains("along dim 0"));
+  // A ModuleStage without a CP group under a CP loop is refused, naming the option.
+  pipeline::ModuleStage whole(chunks, pipeline::ModuleStageOptions().input("tokens").loss(seq_loss));
+  CHECK_THROWS_WITH(loop.set_model(whole.ptr()), Catch::Contains("ModuleStageOptions().cp_group(loop.cp_group())"));
+}

@@ -22,6 +22,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,9 @@ using ChunkForward = std::function<at::Tensor(torch::nn::AnyModule& chunk, int64
 // The activation virtual stage `virtual_stage` sends for micro-batches like `micro_batch`.
 using ActivationFn = std::function<ActivationSpec(int64_t virtual_stage, const MicroBatch& micro_batch)>;
 
+// Micro-batch tensor name -> the dim along which it holds the sequence.
+using SequenceDims = std::map<std::string, int64_t>;
+
 // A parameter of chunk `chunk` (its name inside that chunk) shared under the tie `name`
 // with parameters of other chunks (on this or other pipeline ranks).
 struct TiedParameter {
@@ -61,6 +65,21 @@ struct ModuleStageOptions {
   // a replicated parameter, whose gradients are partial).
   TORCH_ARG(std::string, tp_group) = "";
   TORCH_ARG(bool, sequence_parallel) = false;
+  // Context parallelism: the CP group the chunks' attention splits each sequence over
+  // ("" for none; TrainingLoop's cp_group()), and which micro-batch tensors hold the
+  // sequence along which dim ("ids", "labels" or a name in `tensors`). The chunks, the
+  // forward function and the loss then see this rank's share of those tensors
+  // (transformer::context_parallel_slice: chunks r and 2c-1-r of 2c), and their attention
+  // must cross the group (transformer::context_parallel_attention, or megatorch's layers on
+  // a config whose context_parallel_group is this group). Positions are
+  // transformer::context_parallel_positions(S, c, r).
+  //
+  // The loss: the mean over this rank's share. The optimizer averages gradients over
+  // DP x CP, so equal shares give the whole sequence's mean; with ignored tokens spread
+  // unevenly, return (this rank's loss sum) x c / (the whole micro-batch's count), as GPT
+  // does (the micro-batch's other tensors are whole, so a loss can count them).
+  TORCH_ARG(std::string, cp_group) = "";
+  TORCH_ARG(SequenceDims, sequence_dims) = {};
   TORCH_ARG(std::string, input) = "inputs";
   TORCH_ARG(StageLoss, loss) = nullptr;
   TORCH_ARG(ChunkForward, forward) = nullptr;
@@ -98,6 +117,10 @@ class ModuleStageImpl : public torch::nn::Cloneable<ModuleStageImpl>, public Sta
   std::shared_ptr<torch::nn::Module> chunk_module(int64_t c) const override { return chunks_.at(c).ptr(); }
   torch::nn::AnyModule& chunk(int64_t c) { return chunks_.at(c); }
   std::shared_ptr<tp::RngTracker> rng_tracker() const override { return options.rng(); }
+  int64_t context_parallel_size() const override { return cp_size_; }
+  // `mb` as the chunks see it: the tensors named in sequence_dims cut to this CP rank's
+  // share (mb itself without context parallelism).
+  MicroBatch local_micro_batch(const MicroBatch& mb) const;
 
   const TiedParameters& ties() const override { return ties_; }
   // Chunk `c`'s parameter `local_name` as the whole model calls it: the top-level
@@ -122,6 +145,7 @@ class ModuleStageImpl : public torch::nn::Cloneable<ModuleStageImpl>, public Sta
 
   std::vector<torch::nn::AnyModule> chunks_;
   int64_t pp_rank_ = 0, pp_size_ = 1;
+  int64_t cp_rank_ = 0, cp_size_ = 1;
   TiedParameters ties_;
   // Per chunk: top-level ModuleList path -> global index of its first element.
   std::vector<std::map<std::string, int64_t>> list_offsets_;

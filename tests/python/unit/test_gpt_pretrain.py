@@ -356,6 +356,28 @@ def test_context_parallel_same_losses_and_resume_across_c(tmp_path):
     check_reload_matches(tmp_path, ckpt, layouts, "cp2tp2")
 
 
+def test_attention_dropout_under_context_parallelism_is_one_mask(tmp_path):
+    """--attention-dropout under CP draws its mask by position and global head: c = 2
+    (ring and Ulysses), c = 4 and TP2 x c = 2 give the same 6 losses (1e-5), and the
+    mask moves them away from the run without dropout."""
+    drop = ["--attention-dropout", "0.2", "--train-iters", "6"]
+    cp2 = ["--context-parallel-size", "2"]
+    runs = {"cp2": (2, [*drop, *cp2]), "cp2a2a": (2, [*drop, *cp2, "--cp-comm-type", "a2a"]),
+            "cp4": (4, [*drop, "--context-parallel-size", "4"]),
+            "cp2tp2": (4, [*drop, *cp2, "--tensor-model-parallel-size", "2"]),
+            "cp2_no_dropout": (2, ["--train-iters", "6", *cp2])}
+    got = {}
+    for name, (n, layout) in runs.items():
+        log = tmp_path / f"{name}.json"
+        out, _ = torchrun(n, [*MODEL, *layout, "--log-json", str(log)])
+        assert out.returncode == 0, (name, out.stdout[-3000:] + out.stderr[-3000:])
+        got[name] = losses(log)
+    for name in ("cp2a2a", "cp4", "cp2tp2"):
+        for it, loss in got["cp2"].items():
+            assert got[name][it] == pytest.approx(loss, rel=1e-5), (name, it)
+    assert any(got["cp2_no_dropout"][it] != pytest.approx(loss, rel=1e-4) for it, loss in got["cp2"].items())
+
+
 # A Mixtral-style model: 4 experts, top-2 over the softmax of all experts, SwiGLU experts,
 # RMSNorm, RoPE, no biases; Switch's auxiliary loss and the z-loss on.
 MIXTRAL = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-pre-softmax", "--moe-ffn-hidden-size", "48",
