@@ -12,5 +12,6 @@ namespace api_checks {
 void old_readme_zero_snippet(megatorch::models::GPTModel& model, const megatorch::parallel::ParallelState& state,
                              const at::Tensor& ids, const at::Tensor& labels);
 bool old_names_forward(megatorch::models::GPTModel& model, const megatorch::pipeline::PipelineStage& stage);
+bool old_schedule_checks_accept_everything();
 
 }  // namespace api_checks

@@ -14,11 +14,20 @@ foreach(name IN LISTS names)
     message(FATAL_ERROR "expected a deprecation of optim::${name} naming megatorch::train::${name}:\n${out}")
   endif()
 endforeach()
+# 0.3's: the schedule checks that no longer refuse anything.
+set(schedule_messages "is deprecated: no schedule is refused on NCCL any more"
+                      "is deprecated: use schedule_error\\(kind, pp, vpp\\)")
+foreach(m IN LISTS schedule_messages)
+  if(NOT out MATCHES "${m}")
+    message(FATAL_ERROR "expected a deprecation matching '${m}':\n${out}")
+  endif()
+endforeach()
 # Nothing else may fail: every error is one of those deprecations.
 string(REGEX MATCHALL "error: [^\n]*" errors "${out}")
 foreach(e IN LISTS errors)
-  if(NOT e MATCHES "is deprecated: use megatorch::train::" AND NOT e MATCHES "some warnings being treated as errors")
+  if(NOT e MATCHES "is deprecated: use megatorch::train::" AND NOT e MATCHES "is deprecated: no schedule is refused"
+     AND NOT e MATCHES "is deprecated: use schedule_error" AND NOT e MATCHES "some warnings being treated as errors")
     message(FATAL_ERROR "deprecated_api.cpp failed for another reason: ${e}\n${out}")
   endif()
 endforeach()
-message(STATUS "the deprecated optim:: names warn, naming their replacements")
+message(STATUS "the deprecated optim:: names and schedule checks warn, naming their replacements")

@@ -5,6 +5,8 @@
 // reads them), and still work (run by megatorch_api_check).
 #include <megatorch/optim/model_parameters.h>
 #include <megatorch/parallel/parallel_state.h>
+#include <megatorch/pipeline/p2p_batches.h>
+#include <megatorch/plan/model_spec.h>
 
 #include "api_checks.h"
 
@@ -33,6 +35,16 @@ bool old_names_forward(megatorch::models::GPTModel& model, const megatorch::pipe
   return old_params.units.size() == new_params.units.size() && old_params.info.size() == new_params.info.size() &&
          old_stage.info.size() == megatorch::train::pipeline_stage_parameters(stage).info.size() &&
          old_sums == megatorch::train::optimizer_sums_tied_embedding(stage);
+}
+
+// 0.2's schedule checks: nothing is refused on NCCL or for ZeRO-3 any more.
+bool old_schedule_checks_accept_everything() {
+  using megatorch::pipeline::ScheduleKind;
+  const std::string zb_v_zero3 =
+      megatorch::plan::schedule_error(ScheduleKind::kZeroBubbleV, 2, 1, 3, megatorch::plan::DistributedBackend::kNccl);
+  return megatorch::pipeline::nccl_refusal(ScheduleKind::kDualPipeV).empty() && zb_v_zero3.empty() &&
+         megatorch::plan::schedule_error(ScheduleKind::kInterleaved, 2, 1, 0) ==
+             megatorch::plan::schedule_error(ScheduleKind::kInterleaved, 2, 1);
 }
 
 }  // namespace api_checks

@@ -226,6 +226,8 @@ int main() {
                                     .tp_group(state.group_name(parallel::GroupKind::kTensor))
                                     .pp_group(state.group_name(parallel::GroupKind::kPipeline)));
   check(api_checks::old_names_forward(gpt, stage), "the deprecated optim:: names forward to train::");
+  check(api_checks::old_schedule_checks_accept_everything(),
+        "the deprecated schedule checks refuse nothing, and interleaved at VP 1 still names its need");
 
   std::cout << "megatorch " << megatorch::version() << ", loss " << before.item<double>() << " -> " << after.item<double>()
             << "\n" << (ok ? "api ok" : "api FAILED") << std::endl;

@@ -106,4 +106,9 @@ std::vector<P2PStep> forward_only_p2p_steps(ScheduleKind kind, int64_t p, int64_
 // executor's former order). The tests show that it deadlocks where the batches do not.
 std::vector<P2PStep> unbatched_p2p_steps(const std::vector<Action>& actions);
 
+// Why a schedule was refused on NCCL: never any more (every schedule posts on per-channel
+// communicators there, p2p_channels.h), so always "". Kept for callers of 0.2; removed in 0.4.
+[[deprecated("no schedule is refused on NCCL any more, drop the check")]]
+inline std::string nccl_refusal(ScheduleKind) { return ""; }
+
 }  // namespace megatorch::pipeline

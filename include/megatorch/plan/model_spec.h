@@ -147,6 +147,12 @@ bool schedule_implied(const Layout& layout);
 // adds what needs the model and the batch (the V: 2 x PP dividing the layers, at least 2 x PP
 // micro-batches); the planner asks it of a fixed --schedule against the fixed knobs.
 std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp);
+// 0.2's signature: neither the ZeRO stage nor the backend refuses a schedule any more.
+[[deprecated("use schedule_error(kind, pp, vpp): neither ZeRO nor the backend refuses a schedule any more")]]
+inline std::string schedule_error(pipeline::ScheduleKind kind, int64_t pp, int64_t vpp, int /*zero_stage*/,
+                                  DistributedBackend /*backend*/ = DistributedBackend::kNccl) {
+  return schedule_error(kind, pp, vpp);
+}
 // The model chunks each pipeline rank holds: vpp, or 2 under zb-v and dualpipev.
 int64_t model_chunks(const Layout& layout);
 // Where the virtual stages live: the V for zb-v and dualpipev (rank r holds stages r and
