@@ -105,12 +105,14 @@ fs::path resolve_iteration_dir(const fs::path& dir, int64_t& iteration, std::str
 
 // The fields of `want` that differ from `have`, as "field: checkpoint X, model Y".
 std::string config_differences(const json& have, const json& want) {
+  // Fields added after checkpoints were first written whose old behaviour is not off / 0.
+  static const json kLaterDefaults = {{"rotary_percent", 1.0}, {"rope_scaling", {{"rope_type", "default"}}}};
   std::string out;
   for (const auto& [k, v] : want.items()) {
     const bool saved = have.is_object() && have.contains(k);
     // A field added after the checkpoint was written: its absence means the old default
-    // (off / 0), so older checkpoints keep loading into models that leave it so.
-    if (!saved && (v == false || v == 0)) continue;
+    // (off / 0, or kLaterDefaults'), so older checkpoints keep loading into models that leave it so.
+    if (!saved && (v == false || v == 0 || (kLaterDefaults.contains(k) && kLaterDefaults.at(k) == v))) continue;
     const json h = saved ? have.at(k) : json();
     if (h != v) out += (out.empty() ? "" : "; ") + k + ": checkpoint " + h.dump() + ", model " + v.dump();
   }

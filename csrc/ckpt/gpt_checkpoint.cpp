@@ -4,6 +4,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/module_checkpoint.h"
+#include "rope_json.h"
 
 namespace megatorch::ckpt {
 
@@ -51,6 +52,10 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   j["seq_length"] = c.seq_length();
   j["norm_epsilon"] = c.norm_epsilon();
   j["rotary_base"] = c.rotary_base();
+  if (c.position_embedding_type() == Positions::kRope) {
+    j["rotary_percent"] = c.rotary_percent();
+    j["rope_scaling"] = detail::rope_scaling_json(c.rope_scaling());
+  }
   j["make_vocab_size_divisible_by"] = c.make_vocab_size_divisible_by();
   j["init_std"] = c.init_std();
   j["sliding_window"] = c.sliding_window();
@@ -124,6 +129,11 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
     }
     if (j.contains("norm_epsilon")) c.norm_epsilon(j.at("norm_epsilon").get<double>());
     if (j.contains("rotary_base")) c.rotary_base(j.at("rotary_base").get<double>());
+    // Absent in checkpoints written before RoPE scaling: the whole head, unscaled.
+    c.rotary_percent(j.value("rotary_percent", 1.0));
+    c.rope_scaling(j.contains("rope_scaling")
+                       ? detail::rope_scaling_from_json(j.at("rope_scaling"), "checkpoint rope_scaling", c.max_positions())
+                       : transformer::RopeScaling());
     if (j.contains("make_vocab_size_divisible_by")) {
       c.make_vocab_size_divisible_by(integer("make_vocab_size_divisible_by"));
     }

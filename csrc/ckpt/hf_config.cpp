@@ -13,6 +13,7 @@
 #include "megatorch/util/enum_names.h"
 #include "megatorch/util/strings.h"
 #include "hf_internal.h"
+#include "rope_json.h"
 
 namespace megatorch::ckpt {
 
@@ -20,8 +21,9 @@ namespace megatorch::ckpt {
 using namespace hf_detail;
 
 bool hf_detail::llama_shaped(const TransformerConfig& c) {
+  // transformers' Llama family rotates the whole head.
   return c.normalization() == Normalization::kRMSNorm && c.activation() == Activation::kSwiGLU &&
-         c.position_embedding_type() == Positions::kRope && !c.add_bias_linear();
+         c.position_embedding_type() == Positions::kRope && !c.add_bias_linear() && c.rotary_percent() == 1.0;
 }
 
 bool hf_detail::gpt2_shaped(const TransformerConfig& c) {
@@ -57,14 +59,29 @@ int64_t size_field_or(const json& j, const char* key, int64_t min, int64_t fallb
 
 // The RoPE of a Llama-family config.json: transformers 5 writes rope_parameters (possibly one
 // dict per layer type), 4.x rope_theta at the top and rope_scaling for the scaled kinds.
-// megatorch implements the default, unscaled RoPE over the whole head: returns its base
-// (`fallback` when the config gives none: the base transformers assumes for the model type).
-double rope_base(const json& h, const std::string& arch, double fallback) {
-  double theta = get_or<double>(h, "rope_theta", fallback);
-  MEGATORCH_CHECK(get_or<double>(h, "partial_rotary_factor", 1.0) == 1.0, arch, " import: partial_rotary_factor ",
-                  h.at("partial_rotary_factor").dump(), " is not supported; megatorch rotates the whole head (1.0)");
+// Every layer must share one (base, scaling). `fallback`: the base transformers assumes for
+// the model type when the config gives none.
+struct HFRope {
+  double theta = 1e4;
+  transformer::RopeScaling scaling;
+};
+HFRope rope_of(const json& h, const std::string& arch, double fallback) {
+  HFRope out;
+  out.theta = get_or<double>(h, "rope_theta", fallback);
+  // transformers' Llama, Mistral, Qwen2 and Mixtral rotate the whole head whatever this says.
+  auto whole_head = [&](const json& j, const std::string& where) {
+    MEGATORCH_CHECK(get_or<double>(j, "partial_rotary_factor", 1.0) == 1.0, arch, " import: ", where,
+                    "partial_rotary_factor ", j.at("partial_rotary_factor").dump(), " is not supported: transformers' ",
+                    arch, " rotates the whole head, so megatorch would compute another model (1.0)");
+  };
+  whole_head(h, "");
+  const int64_t positions = get_or<int64_t>(h, "max_position_embeddings", 0);
+  // Phi-3 style: the pretraining length outside the rope dict wins, as transformers does.
+  const int64_t original = get_or<int64_t>(h, "original_max_position_embeddings", 0);
   std::vector<std::pair<std::string, json>> dicts;
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+  // transformers reads rope_scaling when it is set, else rope_parameters.
+  const bool scaling_set = h.contains("rope_scaling") && !h.at("rope_scaling").is_null();
+  for (const char* key : {scaling_set ? "rope_scaling" : "rope_parameters"}) {
     if (!h.contains(key) || h.at(key).is_null()) continue;
     const json& r = h.at(key);
     MEGATORCH_CHECK(r.is_object(), arch, " import: expected ", key, " to be an object, got ", r.dump());
@@ -78,18 +95,22 @@ double rope_base(const json& h, const std::string& arch, double fallback) {
   }
   bool first = true;
   for (const auto& [where, r] : dicts) {
-    const std::string type = get_or<std::string>(r, "rope_type", get_or<std::string>(r, "type", "default"));
-    MEGATORCH_CHECK(type == "default", arch, " import: ", where, ".rope_type '", type,
-                    "' is not supported; megatorch implements the default (unscaled) RoPE only");
-    MEGATORCH_CHECK(get_or<double>(r, "partial_rotary_factor", 1.0) == 1.0, arch, " import: ", where,
-                    ".partial_rotary_factor ", r.value("partial_rotary_factor", json()).dump(),
-                    " is not supported; megatorch rotates the whole head (1.0)");
-    const double t = get_or<double>(r, "rope_theta", theta);
-    MEGATORCH_CHECK(first || t == theta, arch, " import: ", where, ".rope_theta ", t, " differs from ", theta,
-                    "; megatorch uses one RoPE base for every layer");
-    theta = t, first = false;
+    whole_head(r, where + ".");
+    json fields = r;
+    if (original > 0) fields["original_max_position_embeddings"] = original;
+    // transformers' dynamic NTK scales above max_position_embeddings, whatever the dict says.
+    if (get_or<std::string>(r, "rope_type", get_or<std::string>(r, "type", "")) == "dynamic") {
+      fields["original_max_position_embeddings"] = positions;
+    }
+    const auto scaling = detail::rope_scaling_from_json(fields, arch + " import: " + where, positions);
+    const double t = get_or<double>(r, "rope_theta", out.theta);
+    MEGATORCH_CHECK(first || (t == out.theta && scaling == out.scaling), arch, " import: ", where, " (rope_theta ", t,
+                    ", ", detail::rope_scaling_json(scaling).dump(), ") differs from the other layers' (",
+                    out.theta, ", ", detail::rope_scaling_json(out.scaling).dump(),
+                    "); megatorch uses one RoPE for every layer");
+    out.theta = t, out.scaling = scaling, first = false;
   }
-  return theta;
+  return out;
 }
 
 // Qwen2's window: layer i slides when use_sliding_window and i >= max_window_layers
@@ -143,6 +164,7 @@ std::vector<std::string> mixtral_obstacles(const TransformerConfig& c) {
   if (c.activation() != Activation::kSwiGLU) add("activation ", to_string(c.activation()), " (Mixtral's experts: swiglu)");
   if (c.position_embedding_type() != Positions::kRope)
     add("position_embedding_type ", to_string(c.position_embedding_type()), " (Mixtral: rope)");
+  if (c.rotary_percent() != 1.0) add("rotary_percent ", c.rotary_percent(), " (Mixtral rotates the whole head)");
   if (c.add_bias_linear()) add("add_bias_linear true (Mixtral has no linear biases)");
   if (c.add_qkv_bias()) add("add_qkv_bias true (Mixtral has no q/k/v biases)");
   if (!c.causal_attention()) add("causal_attention false (Mixtral is a causal LM)");
@@ -194,11 +216,13 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
                    "so no config.json of Mixtral reproduces the model: keep it in megatorch's format");
   }
   MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
-                 to_string(c.position_embedding_type()), ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
+                 to_string(c.position_embedding_type()), ", rotary_percent ", c.rotary_percent(),
+                 ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
                  c.add_qkv_bias(), ", sliding_window ", c.sliding_window(), ", ", c.query_groups(),
                  " query groups, causal_attention ", c.causal_attention(), ") is neither GPT-2 (LayerNorm, "
                  "gelu_tanh, learned positions, biases, MHA, no window) nor Llama/Mistral/Qwen2 (RMSNorm, swiglu, "
-                 "rope, no linear biases; Qwen2: add_qkv_bias; Mistral: sliding_window), all of them causal "
+                 "rope over the whole head (rotary_percent 1: transformers' Llama family rotates every channel), no linear "
+                 "biases; Qwen2: add_qkv_bias; Mistral: sliding_window), all of them causal "
                  "(causal_attention true)");
 }
 
@@ -291,7 +315,7 @@ TransformerConfig config_from_hf(const json& h) {
     MEGATORCH_CHECK(!get_or<bool>(h, "mlp_bias", false), "Llama import: mlp_bias true is not supported");
   }
   // transformers' default base where config.json has none: 1e6 for Mixtral, 1e4 otherwise.
-  const double theta = rope_base(h, name, arch == HFArch::kMixtral ? 1e6 : 1e4);
+  const HFRope rope = rope_of(h, name, arch == HFArch::kMixtral ? 1e6 : 1e4);
   const int64_t hidden = size_field(h, "hidden_size", 1), heads = size_field(h, "num_attention_heads", 1);
   const int64_t groups = size_field_or(h, "num_key_value_heads", 1, heads);
   check_heads(h, "hidden_size", "num_attention_heads", "num_key_value_heads");
@@ -304,6 +328,10 @@ TransformerConfig config_from_hf(const json& h) {
   if (arch == HFArch::kMistral || arch == HFArch::kMixtral) window = size_field_or(h, "sliding_window", 0, 0);  // null: none
   if (arch == HFArch::kQwen2) window = qwen2_window(h, layers);
   const int64_t positions = size_field(h, "max_position_embeddings", 1);
+  // Dynamic NTK scales above max_position_embeddings, up to factor times it: the model's
+  // reach (its seq_length stays the pretraining context).
+  const bool dynamic = rope.scaling.type() == transformer::RopeType::kDynamic;
+  const int64_t reach = dynamic ? static_cast<int64_t>(positions * rope.scaling.factor()) : positions;
   c.hidden_size(hidden)
       .num_attention_heads(heads)
       .num_query_groups(groups)
@@ -312,10 +340,11 @@ TransformerConfig config_from_hf(const json& h) {
       .ffn_hidden_size(size_field(h, "intermediate_size", 1))
       // The window is kept; sequences stay within it (validate() refuses longer ones).
       .seq_length(window > 0 ? std::min(positions, window) : positions)
-      .max_position_embeddings(positions)
+      .max_position_embeddings(reach)
       .sliding_window(window)
       .norm_epsilon(get_or<double>(h, "rms_norm_eps", 1e-6))
-      .rotary_base(theta)
+      .rotary_base(rope.theta)
+      .rope_scaling(rope.scaling)
       .init_std(get_or<double>(h, "initializer_range", 0.02))
       .normalization(Normalization::kRMSNorm)
       .activation(Activation::kSwiGLU)
@@ -340,6 +369,14 @@ TransformerConfig config_from_hf(const json& h) {
   }
   validate_imported(c, name);
   return c;
+}
+
+// config.json's rope_parameters (transformers 5's spelling; 4.x reads rope_theta and, for
+// the scaled types, rope_scaling, written next to it).
+json rope_parameters(const TransformerConfig& c) {
+  json r = detail::rope_scaling_json(c.rope_scaling());
+  r["rope_theta"] = c.rotary_base();
+  return r;
 }
 
 json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_state) {
@@ -371,12 +408,19 @@ json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_
             {"max_position_embeddings", c.max_positions()},
             {"rms_norm_eps", c.norm_epsilon()},
             {"rope_theta", c.rotary_base()},
-            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rotary_base()}}},
+            {"rope_parameters", rope_parameters(c)},
             {"hidden_act", "silu"},
             {"attention_dropout", 0.0},
             {"initializer_range", c.init_std()},
             {"tie_word_embeddings", c.tie_embeddings()},
             {"torch_dtype", "float32"}};
+  if (c.rope_scaling().type() != transformer::RopeType::kDefault) {
+    j["rope_scaling"] = detail::rope_scaling_json(c.rope_scaling());  // for transformers 4.x
+  }
+  if (c.rope_scaling().type() == transformer::RopeType::kDynamic) {
+    // transformers scales dynamic NTK above max_position_embeddings.
+    j["max_position_embeddings"] = c.rope_scaling().original_max_position_embeddings();
+  }
   const json window = c.sliding_window() > 0 ? json(c.sliding_window()) : json(nullptr);
   if (arch == HFArch::kLlama) {
     j["attention_bias"] = false;

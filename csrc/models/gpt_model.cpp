@@ -15,6 +15,14 @@
 #include "megatorch/util/strings.h"
 
 namespace megatorch::models {
+namespace {
+
+// Dynamic NTK's angles depend on the sequence's length, not on the position alone.
+bool dynamic_rope(const transformer::TransformerConfig& c) {
+  return c.rope_scaling().type() == transformer::RopeType::kDynamic;
+}
+
+}  // namespace
 
 using comm::Mapping;
 using transformer::Positions;
@@ -72,7 +80,7 @@ void GPTModelImpl::reset() {
     }
   }
   if (c.position_embedding_type() == Positions::kRope) {
-    rope_freqs_ = transformer::rope_frequencies(c.seq_length(), c.head_dim(), c.rotary_base(), c.device());
+    rope_freqs_ = transformer::rope_frequencies(c.seq_length(), c, c.device());
   }
 }
 
@@ -134,18 +142,15 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
     const at::Tensor& pos = positions(tokens);
     if (!cp_rope_freqs_.defined()) {
       const int64_t s = tokens * cp.size;
-      const at::Tensor full = s == rope_freqs_.size(0)
-                                  ? rope_freqs_
-                                  : transformer::rope_frequencies(s, c.head_dim(), c.rotary_base(), c.device());
+      const at::Tensor full = s == rope_freqs_.size(0) ? rope_freqs_ : transformer::rope_frequencies(s, c, c.device());
       cp_rope_freqs_ = full.index_select(0, pos);
     }
     freqs = cp_rope_freqs_;
   } else if (freqs.defined() && tokens != freqs.size(0)) {
     // A longer sequence grows the table once (each angle depends on its position alone), so
     // the angles keep one address from call to call, as a captured CUDA graph needs.
-    if (tokens > freqs.size(0)) {
-      rope_freqs_ = transformer::rope_frequencies(tokens, c.head_dim(), c.rotary_base(), c.device());
-    }
+    // Dynamic NTK's angles depend on the sequence's length: its own table.
+    if (tokens > freqs.size(0) || dynamic_rope(c)) rope_freqs_ = transformer::rope_frequencies(tokens, c, c.device());
     freqs = tokens < rope_freqs_.size(0) ? rope_freqs_.narrow(0, 0, tokens) : rope_freqs_;
   }
   const auto run_layers = [&](at::Tensor x) {
@@ -218,12 +223,18 @@ at::Tensor GPTModelImpl::forward_cached(const at::Tensor& input, int64_t positio
   at::Tensor freqs;
   if (c.position_embedding_type() == Positions::kRope) {
     // The same angles as rope_frequencies(end) (each depends on its position alone),
-    // regrown by doubling so a step costs no table.
-    if (!inference_rope_freqs_.defined() || inference_rope_freqs_.size(0) < end) {
-      const int64_t n = std::max(end, 2 * (inference_rope_freqs_.defined() ? inference_rope_freqs_.size(0) : 0));
-      inference_rope_freqs_ = transformer::rope_frequencies(n, c.head_dim(), c.rotary_base(), c.device());
+    // regrown by doubling so a step costs no table. Dynamic NTK scales by the length so
+    // far: each step's tokens take rope_frequencies(end)'s angles, and the cached keys keep
+    // the angles of their own step (as transformers' generate does).
+    if (dynamic_rope(c)) {
+      freqs = transformer::rope_frequencies(end, c, c.device()).narrow(0, position_offset, s);
+    } else {
+      if (!inference_rope_freqs_.defined() || inference_rope_freqs_.size(0) < end) {
+        const int64_t n = std::max(end, 2 * (inference_rope_freqs_.defined() ? inference_rope_freqs_.size(0) : 0));
+        inference_rope_freqs_ = transformer::rope_frequencies(n, c, c.device());
+      }
+      freqs = inference_rope_freqs_.narrow(0, position_offset, s);
     }
-    freqs = inference_rope_freqs_.narrow(0, position_offset, s);
   }
   for (size_t i = 0; i < layers->size(); ++i) {
     h = layers[i]->as<transformer::TransformerLayer>()->forward_cached(h, freqs, caches[i]);

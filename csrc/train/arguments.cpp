@@ -82,7 +82,13 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_flag("--disable-bias-linear", a.disable_bias_linear, "no biases on the linear layers (Llama, Mistral, Qwen2)");
   app.add_flag("--add-qkv-bias", a.add_qkv_bias, "biases on the QKV projection even with --disable-bias-linear (Qwen2)");
   app.add_option("--rotary-base", a.rotary_base, "RoPE base (HF rope_theta)");
-  app.add_option("--rotary-percent", a.rotary_percent, "fraction of the head dimension RoPE rotates (only 1.0)");
+  app.add_option("--rotary-percent", a.rotary_percent, "fraction of each head's channels RoPE rotates");
+  app.add_option("--rope-type", a.rope_type, "RoPE scaling: default, linear, dynamic, yarn or llama3 (HF's rope_type)");
+  app.add_option("--rope-scaling-factor", a.rope_scaling_factor, "RoPE scaling factor (default 8, Megatron's)");
+  app.add_flag("--use-rope-scaling", a.use_rope_scaling,
+               "Llama 3.1's RoPE scaling: llama3 with --rope-scaling-factor, frequency factors 1 and 4, context 8192");
+  app.add_option("--original-max-position-embeddings", a.original_max_position_embeddings,
+                 "the context RoPE scaling extends (llama3, yarn; dynamic scales above it)");
   app.add_option("--norm-epsilon", a.norm_epsilon, "epsilon of LayerNorm / RMSNorm");
   app.add_option("--init-method-std", a.init_method_std, "standard deviation of the weights' normal initialisation");
   app.add_option("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
@@ -239,6 +245,8 @@ void apply_checkpoint_args(TrainArguments& a, const nlohmann::json& model_config
   take_from_checkpoint(a, "add-qkv-bias", a.add_qkv_bias, qkv_bias);
   take_from_checkpoint(a, "norm-epsilon", a.norm_epsilon, c.norm_epsilon());
   take_from_checkpoint(a, "rotary-base", a.rotary_base, c.rotary_base());
+  take_from_checkpoint(a, "rotary-percent", a.rotary_percent, c.rotary_percent());
+  a.checkpoint_rope_scaling = c.rope_scaling();
   take_from_checkpoint(a, "init-method-std", a.init_method_std, c.init_std());
   // Learned positions size a parameter; with RoPE max positions only bounds generation.
   if (c.position_embedding_type() == transformer::Positions::kLearned) {
@@ -431,8 +439,6 @@ void validate(TrainArguments& a, int64_t world) {
                   world, "; change --tensor-model-parallel-size", cp == 1 ? "" : " / --context-parallel-size",
                   " / --pipeline-model-parallel-size or the number of processes");
   a.world_size = world;
-  MEGATORCH_CHECK(a.rotary_percent == 1.0, "gpt_pretrain: --rotary-percent ", a.rotary_percent,
-                  " is not supported: megatorch's RoPE rotates the whole head (1.0)");
   MEGATORCH_CHECK(!a.use_checkpoint_args || !a.load.empty(), "gpt_pretrain: --use-checkpoint-args needs --load DIR");
   MEGATORCH_CHECK(!a.finetune || !a.load.empty(), "gpt_pretrain: --finetune needs --load DIR (the weights to start from)");
   MEGATORCH_CHECK(a.vocab_size >= 1, "gpt_pretrain: expected --vocab-size >= 1, got ", a.vocab_size);
@@ -509,6 +515,46 @@ void validate(TrainArguments& a, int64_t world) {
   model_config(a).validate(tp, cp, ep, etp);
 }
 
+namespace {
+
+// The RoPE scaling the flags ask for; under --use-checkpoint-args the checkpoint's, which
+// flags may only repeat.
+transformer::RopeScaling rope_scaling_of(const TrainArguments& a) {
+  using transformer::RopeType;
+  const bool flags = a.use_rope_scaling || a.given.count("rope-type") || a.given.count("rope-scaling-factor") ||
+                     a.given.count("original-max-position-embeddings");
+  transformer::RopeScaling s;
+  if (a.use_rope_scaling) {
+    MEGATORCH_CHECK(a.rope_type == "default" || a.rope_type == "llama3", "gpt_pretrain: --use-rope-scaling is Llama ",
+                    "3.1's llama3 scaling, but --rope-type is '", a.rope_type, "'; give one of them");
+    s.type(RopeType::kLlama3).factor(a.rope_scaling_factor).low_freq_factor(1).high_freq_factor(4);
+    s.original_max_position_embeddings(a.original_max_position_embeddings > 0 ? a.original_max_position_embeddings
+                                                                               : 8192);
+  } else {
+    s.type(transformer::parse_rope_type(a.rope_type));
+    if (s.type() != RopeType::kDefault) {
+      s.factor(a.rope_scaling_factor);
+      const int64_t fallback = a.max_position_embeddings > 0 ? a.max_position_embeddings : a.seq_length;
+      s.original_max_position_embeddings(a.original_max_position_embeddings > 0 ? a.original_max_position_embeddings
+                                                                                : fallback);
+    }
+  }
+  if (!a.checkpoint_rope_scaling) return s;
+  if (!flags) return *a.checkpoint_rope_scaling;
+  MEGATORCH_CHECK(s.type() == a.checkpoint_rope_scaling->type() && s.factor() == a.checkpoint_rope_scaling->factor() &&
+                      s.original_max_position_embeddings() ==
+                          a.checkpoint_rope_scaling->original_max_position_embeddings(),
+                  "gpt_pretrain: the RoPE scaling flags (", transformer::to_string(s.type()), ", factor ", s.factor(),
+                  ", original context ", s.original_max_position_embeddings(), ") disagree with the checkpoint in ",
+                  a.load, " (", transformer::to_string(a.checkpoint_rope_scaling->type()), ", factor ",
+                  a.checkpoint_rope_scaling->factor(), ", original context ",
+                  a.checkpoint_rope_scaling->original_max_position_embeddings(),
+                  ") under --use-checkpoint-args; drop the flags to train the checkpoint's model");
+  return *a.checkpoint_rope_scaling;
+}
+
+}  // namespace
+
 transformer::TransformerConfig model_config(const TrainArguments& a) {
   using namespace transformer;
   TransformerConfig c;
@@ -523,6 +569,8 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .make_vocab_size_divisible_by(a.make_vocab_size_divisible_by)
       .norm_epsilon(a.norm_epsilon)
       .rotary_base(a.rotary_base)
+      .rotary_percent(a.rotary_percent)
+      .rope_scaling(rope_scaling_of(a))
       .init_std(a.init_method_std)
       .add_bias_linear(!a.disable_bias_linear)
       .add_qkv_bias(a.add_qkv_bias)

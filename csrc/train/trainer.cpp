@@ -19,7 +19,9 @@ nlohmann::json load_comparison(const transformer::TransformerConfig& c) {
   nlohmann::json j = ckpt::gpt_shape_json(c);
   const nlohmann::json all = ckpt::gpt_config_json(c);
   for (const char* key : {"norm_epsilon", "sliding_window"}) j[key] = all.at(key);
-  if (c.position_embedding_type() == transformer::Positions::kRope) j["rotary_base"] = all.at("rotary_base");
+  if (c.position_embedding_type() == transformer::Positions::kRope) {
+    for (const char* key : {"rotary_base", "rotary_percent", "rope_scaling"}) j[key] = all.at(key);
+  }
   return j;
 }
 

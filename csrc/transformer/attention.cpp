@@ -13,10 +13,11 @@
 namespace megatorch::transformer {
 
 at::Tensor rope_frequencies(int64_t seq_length, int64_t head_dim, double base, c10::Device device) {
-  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-  const at::Tensor inv = 1.0 / at::pow(base, at::arange(0, head_dim, 2, opts.dtype(at::kDouble)) / head_dim);
-  const at::Tensor angles = at::outer(at::arange(seq_length, opts.dtype(at::kDouble)), inv);
-  return at::cat({angles, angles}, -1).to(at::kFloat).view({seq_length, 1, 1, head_dim});
+  return rope_frequencies(seq_length, head_dim, base, RopeScaling(), device);
+}
+
+at::Tensor rope_frequencies(int64_t seq_length, const TransformerConfig& c, c10::Device device) {
+  return rope_frequencies(seq_length, c.rotary_dim(), c.rotary_base(), c.rope_scaling(), device);
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs) {
@@ -38,6 +39,10 @@ void ParallelAttentionImpl::reset() {
   const int64_t tp = tp::tp_info(options.group()).size;
   c.validate(tp, tp::tp_info(c.context_parallel_group()).size);
   local_heads = c.num_attention_heads() / tp;
+  if (c.position_embedding_type() == Positions::kRope) {
+    rope_scale_ = rope_inverse_frequencies(c.rotary_dim(), c.rotary_base(), c.rope_scaling(), c.seq_length())
+                      .attention_scaling;
+  }
   local_groups = c.query_groups() / tp;
   const int64_t d = c.head_dim();
   // The fused QKV weight is laid out group by group — [q heads of the group, k, v] —
@@ -93,6 +98,15 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
   return out.permute({2, 0, 1, 3}).reshape({s, b, local_heads * c.head_dim()});
 }
 
+at::Tensor ParallelAttentionImpl::rotate(const at::Tensor& x, const at::Tensor& rope_freqs) const {
+  const at::Tensor out = options.config().fused_kernels() ? kernels::rotary_embedding(x, rope_freqs)
+                                                          : apply_rope(x, rope_freqs);
+  if (rope_scale_ == 1.0) return out;
+  // YaRN scales cos and sin, so the rotated channels alone (HF's attention_scaling).
+  const int64_t r = rope_freqs.size(-1), d = out.size(-1);
+  return r == d ? out * rope_scale_ : at::cat({out.narrow(-1, 0, r) * rope_scale_, out.narrow(-1, r, d - r)}, -1);
+}
+
 std::array<at::Tensor, 3> ParallelAttentionImpl::split_qkv(const at::Tensor& mixed) const {
   const int64_t d = options.config().head_dim(), per_group = local_heads / local_groups;
   const int64_t s = mixed.size(0), b = mixed.size(1);
@@ -104,9 +118,8 @@ at::Tensor ParallelAttentionImpl::context(const at::Tensor& x, const at::Tensor&
   const auto& c = options.config();
   auto [q, k, v] = split_qkv(qkv->forward(x));
   if (rope_freqs.defined()) {
-    auto rope = c.fused_kernels() ? kernels::rotary_embedding : apply_rope;
-    q = rope(q, rope_freqs);
-    k = rope(k, rope_freqs);
+    q = rotate(q, rope_freqs);
+    k = rotate(k, rope_freqs);
   }
   if (c.recompute() == Recompute::kSelective && is_training()) {
     // Selective recomputation: keep q, k, v; replay softmax, dropout and the products.

@@ -34,9 +34,8 @@ at::Tensor ParallelAttentionImpl::forward_cached_without_bias(const at::Tensor& 
                   " positions, ", start, " used, and ", s, " more were given; make it for the longest sequence");
   auto [q, k, v] = split_qkv(mixed);
   if (rope_freqs.defined()) {
-    auto rope = c.fused_kernels() ? kernels::rotary_embedding : apply_rope;
-    q = rope(q, rope_freqs);
-    k = rope(k, rope_freqs);
+    q = rotate(q, rope_freqs);
+    k = rotate(k, rope_freqs);
   }
   cache.k.narrow(0, start, s).copy_(k);
   cache.v.narrow(0, start, s).copy_(v);

@@ -60,6 +60,12 @@ void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep, int64_t etp
                   sliding_window_, ") >= seq_length (", seq_length_,
                   "): megatorch attends over the whole causal prefix and has no sliding-window attention; "
                   "use a --seq-length <= ", sliding_window_, " (the window)");
+  if (position_embedding_type_ == Positions::kRope) {
+    MEGATORCH_CHECK(rotary_percent_ > 0 && rotary_percent_ <= 1 && rotary_dim() >= 2 && rotary_dim() % 2 == 0,
+                    "expected --rotary-percent in (0, 1] giving an even number of rotary channels >= 2, got ",
+                    rotary_percent_, " of head dim ", head_dim(), " = ", rotary_dim(), " channels");
+    rope_scaling_.validate();
+  }
   MEGATORCH_CHECK(attention_dropout_ >= 0 && attention_dropout_ < 1 && hidden_dropout_ >= 0 && hidden_dropout_ < 1,
                   "expected dropout probabilities in [0, 1), got attention ", attention_dropout_, ", hidden ",
                   hidden_dropout_);

@@ -168,6 +168,60 @@ Field fp8_field() {
           }};
 }
 
+// TransformerConfig.rope_scaling (transformer/rope.h) as a dict in HF's names: {"rope_type":
+// "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, ...}; keys left out keep
+// their defaults, None is the default (unscaled) RoPE.
+Field rope_scaling_field() {
+  using megatorch::transformer::RopeScaling;
+  static const char* keys = "rope_type, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor, "
+                            "beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate";
+  return {"rope_scaling",
+          [](const Config& c) -> py::object {
+            const RopeScaling& s = c.rope_scaling();
+            py::dict d;
+            d["rope_type"] = megatorch::transformer::to_string(s.type());
+            d["factor"] = s.factor();
+            d["original_max_position_embeddings"] = s.original_max_position_embeddings();
+            d["low_freq_factor"] = s.low_freq_factor();
+            d["high_freq_factor"] = s.high_freq_factor();
+            d["beta_fast"] = s.beta_fast();
+            d["beta_slow"] = s.beta_slow();
+            d["attention_factor"] = s.attention_factor();
+            d["mscale"] = s.mscale();
+            d["mscale_all_dim"] = s.mscale_all_dim();
+            d["truncate"] = s.truncate();
+            return std::move(d);
+          },
+          [](Config& c, const py::handle& v) {
+            RopeScaling s;
+            if (!v.is_none() && !py::isinstance<py::dict>(v)) {
+              throw py::type_error(std::string("TransformerConfig.rope_scaling: expected a dict with keys among ") +
+                                   keys + ", or None, got " + py::str(py::type::of(v)).cast<std::string>());
+            }
+            try {
+              for (const auto& [k, val] : v.is_none() ? py::dict() : py::reinterpret_borrow<py::dict>(v)) {
+                const auto key = py::cast<std::string>(k);
+                if (key == "rope_type") s.type(megatorch::transformer::parse_rope_type(py::cast<std::string>(val)));
+                else if (key == "factor") s.factor(py::cast<double>(val));
+                else if (key == "original_max_position_embeddings") s.original_max_position_embeddings(py::cast<int64_t>(val));
+                else if (key == "low_freq_factor") s.low_freq_factor(py::cast<double>(val));
+                else if (key == "high_freq_factor") s.high_freq_factor(py::cast<double>(val));
+                else if (key == "beta_fast") s.beta_fast(py::cast<double>(val));
+                else if (key == "beta_slow") s.beta_slow(py::cast<double>(val));
+                else if (key == "attention_factor") s.attention_factor(py::cast<double>(val));
+                else if (key == "mscale") s.mscale(py::cast<double>(val));
+                else if (key == "mscale_all_dim") s.mscale_all_dim(py::cast<double>(val));
+                else if (key == "truncate") s.truncate(py::cast<bool>(val));
+                else throw py::value_error("TransformerConfig.rope_scaling: unknown key '" + key + "'; the keys are " + keys);
+              }
+              s.validate();
+            } catch (const c10::Error& e) {
+              throw py::value_error(e.what_without_backtrace());
+            }
+            c.rope_scaling(s);
+          }};
+}
+
 // Every field of TransformerConfig, in declaration order (config.h documents each).
 const std::vector<Field>& fields() {
   static const std::vector<Field> all = {
@@ -175,7 +229,8 @@ const std::vector<Field>& fields() {
       MT_FIELD(ffn_hidden_size), MT_FIELD(num_layers), MT_FIELD(seq_length),
       MT_FIELD(max_position_embeddings), MT_FIELD(vocab_size), MT_FIELD(make_vocab_size_divisible_by),
       MT_FIELD(normalization), MT_FIELD(norm_epsilon), MT_FIELD(activation),
-      MT_FIELD(position_embedding_type), MT_FIELD(rotary_base), MT_FIELD(attention_dropout),
+      MT_FIELD(position_embedding_type), MT_FIELD(rotary_base), MT_FIELD(rotary_percent), rope_scaling_field(),
+      MT_FIELD(attention_dropout),
       MT_FIELD(hidden_dropout), MT_FIELD(add_bias_linear), MT_FIELD(add_qkv_bias),
       MT_FIELD(tie_embeddings), MT_FIELD(sliding_window), MT_FIELD(causal_attention),
       MT_FIELD(sequence_parallel),
@@ -466,9 +521,15 @@ PYBIND11_MODULE(_cpp, m) {
         "Every tensor of a checkpoint whose key starts with prefix, whole, by key ('model/...', 'optim/exp_avg/...',\n"
         "'optim/grad/...' with gpt_pretrain --save-grads), whatever layout saved it.");
 
-  m.def("rope_frequencies", &tf::rope_frequencies, py::arg("seq_length"), py::arg("head_dim"),
-        py::arg("base") = 10000.0, py::arg("device") = c10::Device(c10::kCPU),
+  m.def("rope_frequencies",
+        static_cast<at::Tensor (*)(int64_t, int64_t, double, c10::Device)>(&tf::rope_frequencies),
+        py::arg("seq_length"), py::arg("head_dim"), py::arg("base") = 10000.0,
+        py::arg("device") = c10::Device(c10::kCPU),
         "RoPE angles [s, 1, 1, head_dim] for TransformerLayer/ParallelAttention.forward(x, rope_freqs)");
+  m.def("rope_frequencies",
+        static_cast<at::Tensor (*)(int64_t, const Config&, c10::Device)>(&tf::rope_frequencies),
+        py::arg("seq_length"), py::arg("config"), py::arg("device") = c10::Device(c10::kCPU),
+        "RoPE angles [s, 1, 1, rotary_dim] of a TransformerConfig: its rotary_percent, rotary_base and rope_scaling");
 
   // Context parallelism's layout (include/megatorch/transformer/context_parallel.h).
   m.def("context_parallel_positions", &tf::context_parallel_positions, py::arg("seq_length"), py::arg("cp_size"),

@@ -3,6 +3,7 @@
 // option (so launch scripts carry over), parsed with CLI11, checked for contradictions
 // against the world size before anything else happens.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,16 @@ struct TrainArguments {
   bool disable_bias_linear = false;  // no biases on the linear layers (Llama, Mistral, Qwen2)
   bool add_qkv_bias = false;         // biases on the QKV projection even so (Qwen2)
   double rotary_base = 10000.0;
-  double rotary_percent = 1.0;  // only 1.0: RoPE over the whole head
+  double rotary_percent = 1.0;  // the fraction of each head's channels RoPE rotates
+  // RoPE scaling (transformer/rope.h): HF's rope_type and factor; --use-rope-scaling is
+  // Megatron's Llama 3.1 scaling (llama3, factor --rope-scaling-factor, low/high frequency
+  // factors 1 and 4, original context 8192).
+  std::string rope_type = "default";
+  double rope_scaling_factor = 8.0;
+  bool use_rope_scaling = false;
+  int64_t original_max_position_embeddings = 0;  // 0: --max-position-embeddings, else --seq-length
+  // The checkpoint's scaling under --use-checkpoint-args (with every field the flags lack).
+  std::optional<transformer::RopeScaling> checkpoint_rope_scaling;
   double norm_epsilon = 1e-5;
   double init_method_std = 0.02;
   int64_t make_vocab_size_divisible_by = 128;

@@ -19,8 +19,10 @@
 
 namespace megatorch::transformer {
 
-// RoPE tables for positions [0, s): [s, 1, 1, d] angles (rotate-half convention).
+// RoPE tables for positions [0, s): [s, 1, 1, d] angles (rotate-half convention), default
+// RoPE over the whole head; and the config's (rotary_dim channels, its rope_scaling; rope.h).
 at::Tensor rope_frequencies(int64_t seq_length, int64_t head_dim, double base, c10::Device device);
+at::Tensor rope_frequencies(int64_t seq_length, const TransformerConfig& config, c10::Device device);
 // x [s, b, heads, d] rotated by freqs [s, 1, 1, r], r <= d (the first r channels);
 // unfused, the reference of kernels::rotary_embedding.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& freqs);
@@ -63,6 +65,10 @@ class ParallelAttentionImpl : public torch::nn::Cloneable<ParallelAttentionImpl>
   // [s, b, groups, d]: one split, whose backward is one cat (views taken one by one
   // would each zero-fill a full-size gradient and add them).
   std::array<at::Tensor, 3> split_qkv(const at::Tensor& mixed) const;
+  // q or k [s, b, heads, d] rotated by the angles [s, 1, 1, r], then scaled on the rotated
+  // channels by YaRN's attention factor (1 for the other types).
+  at::Tensor rotate(const at::Tensor& x, const at::Tensor& rope_freqs) const;
+  double rope_scale_ = 1.0;
 };
 TORCH_MODULE(ParallelAttention);
 

@@ -10,6 +10,7 @@
 #include "megatorch/fp8/recipe.h"
 #include "megatorch/tp/init.h"
 #include "megatorch/transformer/context_parallel.h"
+#include "megatorch/transformer/rope.h"
 
 namespace megatorch::transformer {
 
@@ -40,7 +41,11 @@ struct TransformerConfig {
   TORCH_ARG(Activation, activation) = Activation::kGeluTanh;
   TORCH_ARG(Positions, position_embedding_type) = Positions::kLearned;
   TORCH_ARG(double, rotary_base) = 10000.0;
-  TORCH_ARG(double, attention_dropout) = 0.0;
+  // RoPE over the first rotary_percent of each head's channels (HF's partial_rotary_factor,
+  // Megatron's --rotary-percent), with a context-extension scheme (rope.h). Both change
+  // what the weights mean, so checkpoints record them.
+  TORCH_ARG(double, rotary_percent) = 1.0;
+  TORCH_ARG(RopeScaling, rope_scaling) = {};  TORCH_ARG(double, attention_dropout) = 0.0;
   TORCH_ARG(double, hidden_dropout) = 0.0;
   // Biases on the linear layers (and LayerNorm's beta).
   TORCH_ARG(bool, add_bias_linear) = true;
@@ -140,6 +145,8 @@ struct TransformerConfig {
   bool fp8_layer(int64_t layer) const {
     return fp8_.enabled() && layer >= num_layers_at_start_in_bf16_ && layer < num_layers_ - num_layers_at_end_in_bf16_;
   }
+  // The channels RoPE rotates: int(head_dim · rotary_percent), as HF rounds it.
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent_); }
   int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
 
   // Every constraint against a TP (and CP, EP, expert-TP) size, failing with what was

@@ -102,7 +102,7 @@ def test_import_finetune_at_tp2_pp2_export(imported, tmp_path):
     (["--hidden-size", "64"], "--hidden-size 64 disagrees with the checkpoint"),
     (["--disable-bias-linear"], None),  # agrees with the Llama checkpoint: accepted
     (["--vocab-size", "4099"], "--vocab-size 4099 disagrees with the checkpoint"),
-    (["--rotary-percent", "0.5"], "--rotary-percent 0.5 is not supported"),
+    (["--rotary-percent", "0.5"], "--rotary-percent 0.5 disagrees with the checkpoint"),
 ])
 def test_checkpoint_args_disagreeing_flag_is_an_error(imported, tmp_path, flags, message):
     src, _ = imported

@@ -186,8 +186,10 @@ def edited(saved, tmp_path, arch, **fields):
 
 DROP = object()  # edited(): remove the field
 REFUSED = [
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling.rope_type 'linear'"),
-    ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), "rope_parameters.rope_type 'yarn'"),
+    ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
+     "rope_scaling.rope_type: expected rope_type 'default', 'linear', 'dynamic', 'yarn' or 'llama3', got 'longrope'"),
+    ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 0.5, "rope_theta": 1e4}),
+     "rope_parameters: rope_type 'yarn': expected a scaling factor >= 1, got 0.5"),
     ("mistral", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
