@@ -107,6 +107,22 @@ std::vector<pipeline::MicroBatch> toy_batches(int64_t m, int64_t b, int64_t seed
   return out;
 }
 
+// The loops these tests compare with one rank and torch's AdamW: ZeRO-1, constant LR 1e-2,
+// no weight decay or clipping, quiet.
+train::TrainingLoopOptions adamw_loop(int64_t m, int64_t b, int64_t iters) {
+  return train::TrainingLoopOptions()
+      .device("cpu")
+      .zero_stage(1)
+      .num_micro_batches(m)
+      .micro_batch_size(b)
+      .train_iters(iters)
+      .lr(1e-2)
+      .lr_decay_style("constant")
+      .weight_decay(0)
+      .clip_grad(0)
+      .log_interval(1000);
+}
+
 // This rank's chunks of the toy model: virtual stage s (c·p + rank, or in a V: rank and
 // 2p-1-rank) owns kLayers/(p·v) blocks.
 pipeline::ModuleStage toy_stage(const std::string& tp_group, const std::string& pp_group, int64_t p, int64_t rank,
@@ -249,20 +265,7 @@ TEST_CASE("TrainingLoop trains a user's model like one rank with AdamW (ZeRO-1, 
   const std::string dir = (std::filesystem::temp_directory_path() /
                            ("megatorch_toy_loop_" + std::string(port ? port : "0"))).string();
   if (mp::rank() == 0) remove_tree(dir);
-  const auto options = train::TrainingLoopOptions()
-                           .pipeline_parallel(world)
-                           .device("cpu")
-                           .zero_stage(1)
-                           .num_micro_batches(m)
-                           .micro_batch_size(b)
-                           .train_iters(iters)
-                           .lr(1e-2)
-                           .lr_decay_style("constant")
-                           .weight_decay(0)
-                           .clip_grad(0)
-                           .log_interval(1000)
-                           .save(dir)
-                           .save_interval(1);
+  const auto options = adamw_loop(m, b, iters).pipeline_parallel(world).save(dir).save_interval(1);
   train::TrainingLoop loop(train::TrainingLoopOptions(options).name("toy_loop"));
   const auto& ps = loop.parallel_state();
   auto stage = toy_stage(loop.tp_group(), loop.pp_group(), world, ps.pp_rank(), 1);
@@ -442,20 +445,7 @@ TEST_CASE("a user's sequence model in a ModuleStage trains at context-parallel s
   }
   for (const auto& [p, c] : layouts) {
     INFO("pp " << p << " cp " << c);
-    train::TrainingLoop loop(train::TrainingLoopOptions()
-                                 .pipeline_parallel(p)
-                                 .context_parallel(c)
-                                 .device("cpu")
-                                 .zero_stage(1)
-                                 .num_micro_batches(m)
-                                 .micro_batch_size(b)
-                                 .train_iters(iters)
-                                 .lr(1e-2)
-                                 .lr_decay_style("constant")
-                                 .weight_decay(0)
-                                 .clip_grad(0)
-                                 .log_interval(1000)
-                                 .print_summary(false)
+    train::TrainingLoop loop(adamw_loop(m, b, iters).pipeline_parallel(p).context_parallel(c).print_summary(false)
                                  .name("seq_cp_" + std::to_string(p)));
     const int64_t rank = loop.parallel_state().pp_rank(), per = kSeqLayers / p;
     std::vector<torch::nn::AnyModule> chunks{

@@ -293,7 +293,8 @@ IMPORT_REFUSED = [
     (dict(num_experts_per_tok=5), "expected num_experts_per_tok (5) <= num_local_experts (4)"),
     (dict(num_local_experts=0), "'num_local_experts' to be an integer >= 1, got 0"),
     (dict(num_experts_per_tok=1.5), "'num_experts_per_tok' to be an integer, got 1.5"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}), "rope_parameters.rope_type 'yarn'"),
+    (dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "rope_theta": 1e6}),
+     "rope_parameters.rope_type: expected rope_type 'default', 'linear', 'dynamic', 'yarn' or 'llama3', got 'longrope'"),
     (dict(head_dim=16), "head_dim 16"),
     (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
     # The config alone is valid; the weights are not its model.
