@@ -11,6 +11,7 @@
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/gpt_checkpoint.h"
+#include "rope_flags.h"
 #include "megatorch/data/gpt_datasets.h"
 #include "megatorch/data/preprocess.h"
 #include "megatorch/data/tokenizer_flags.h"
@@ -515,46 +516,6 @@ void validate(TrainArguments& a, int64_t world) {
   model_config(a).validate(tp, cp, ep, etp);
 }
 
-namespace {
-
-// The RoPE scaling the flags ask for; under --use-checkpoint-args the checkpoint's, which
-// flags may only repeat.
-transformer::RopeScaling rope_scaling_of(const TrainArguments& a) {
-  using transformer::RopeType;
-  const bool flags = a.use_rope_scaling || a.given.count("rope-type") || a.given.count("rope-scaling-factor") ||
-                     a.given.count("original-max-position-embeddings");
-  transformer::RopeScaling s;
-  if (a.use_rope_scaling) {
-    MEGATORCH_CHECK(a.rope_type == "default" || a.rope_type == "llama3", "gpt_pretrain: --use-rope-scaling is Llama ",
-                    "3.1's llama3 scaling, but --rope-type is '", a.rope_type, "'; give one of them");
-    s.type(RopeType::kLlama3).factor(a.rope_scaling_factor).low_freq_factor(1).high_freq_factor(4);
-    s.original_max_position_embeddings(a.original_max_position_embeddings > 0 ? a.original_max_position_embeddings
-                                                                               : 8192);
-  } else {
-    s.type(transformer::parse_rope_type(a.rope_type));
-    if (s.type() != RopeType::kDefault) {
-      s.factor(a.rope_scaling_factor);
-      const int64_t fallback = a.max_position_embeddings > 0 ? a.max_position_embeddings : a.seq_length;
-      s.original_max_position_embeddings(a.original_max_position_embeddings > 0 ? a.original_max_position_embeddings
-                                                                                : fallback);
-    }
-  }
-  if (!a.checkpoint_rope_scaling) return s;
-  if (!flags) return *a.checkpoint_rope_scaling;
-  MEGATORCH_CHECK(s.type() == a.checkpoint_rope_scaling->type() && s.factor() == a.checkpoint_rope_scaling->factor() &&
-                      s.original_max_position_embeddings() ==
-                          a.checkpoint_rope_scaling->original_max_position_embeddings(),
-                  "gpt_pretrain: the RoPE scaling flags (", transformer::to_string(s.type()), ", factor ", s.factor(),
-                  ", original context ", s.original_max_position_embeddings(), ") disagree with the checkpoint in ",
-                  a.load, " (", transformer::to_string(a.checkpoint_rope_scaling->type()), ", factor ",
-                  a.checkpoint_rope_scaling->factor(), ", original context ",
-                  a.checkpoint_rope_scaling->original_max_position_embeddings(),
-                  ") under --use-checkpoint-args; drop the flags to train the checkpoint's model");
-  return *a.checkpoint_rope_scaling;
-}
-
-}  // namespace
-
 transformer::TransformerConfig model_config(const TrainArguments& a) {
   using namespace transformer;
   TransformerConfig c;
@@ -570,7 +531,7 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .norm_epsilon(a.norm_epsilon)
       .rotary_base(a.rotary_base)
       .rotary_percent(a.rotary_percent)
-      .rope_scaling(rope_scaling_of(a))
+      .rope_scaling(detail::rope_scaling_of(a))
       .init_std(a.init_method_std)
       .add_bias_linear(!a.disable_bias_linear)
       .add_qkv_bias(a.add_qkv_bias)
