@@ -37,6 +37,7 @@ struct Args {
   int64_t ep = 0, etp = 1;  // etp 0: searched
   std::string dispatcher = "alltoall";
   double imbalance_margin = 1.0;
+  int64_t mean_document_length = 0;
 };
 
 double gb(double bytes) { return bytes / 1e9; }
@@ -448,6 +449,9 @@ int main(int argc, char** argv) {
   app.add_option("--make-vocab-size-divisible-by", a.divisible_by)->capture_default_str();
   app.add_option("--seq-length", a.seq);
   app.add_flag("--swiglu", a.swiglu);
+  app.add_option("--mean-document-length", a.mean_document_length,
+                 "packed documents' mean length (gpt_pretrain --reset-attention-mask): attention counts each "
+                 "document's square; 0: one document per sequence")->capture_default_str();
   app.add_option("--normalization", a.normalization, "LayerNorm or RMSNorm")->capture_default_str();
   app.add_option("--position-embedding-type", a.positions, "learned_absolute or rope")->capture_default_str();
   app.add_flag("--disable-bias-linear", a.no_bias);
@@ -548,6 +552,7 @@ int main(int argc, char** argv) {
     m.moe_shared_expert_intermediate_size = a.moe_shared;
     m.moe_token_dispatcher = megatorch::transformer::parse_token_dispatcher(a.dispatcher);
     m.moe_imbalance_margin = a.imbalance_margin;
+    m.mean_document_length = a.mean_document_length;
     if (a.model.empty()) {
       namespace tf = megatorch::transformer;
       m.swiglu = a.swiglu, m.rms_norm = tf::parse_normalization(a.normalization) == tf::Normalization::kRMSNorm;

@@ -106,7 +106,8 @@ fs::path resolve_iteration_dir(const fs::path& dir, int64_t& iteration, std::str
 // The fields of `want` that differ from `have`, as "field: checkpoint X, model Y".
 std::string config_differences(const json& have, const json& want) {
   // Fields added after checkpoints were first written whose old behaviour is not off / 0.
-  static const json kLaterDefaults = {{"rotary_percent", 1.0}, {"rope_scaling", {{"rope_type", "default"}}}};
+  static const json kLaterDefaults = {{"rotary_percent", 1.0}, {"rope_scaling", {{"rope_type", "default"}}},
+                                      {"layer_types", json::array()}};
   std::string out;
   for (const auto& [k, v] : want.items()) {
     const bool saved = have.is_object() && have.contains(k);

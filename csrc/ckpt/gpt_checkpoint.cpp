@@ -59,6 +59,7 @@ nlohmann::json gpt_config_json(const TransformerConfig& c) {
   j["make_vocab_size_divisible_by"] = c.make_vocab_size_divisible_by();
   j["init_std"] = c.init_std();
   j["sliding_window"] = c.sliding_window();
+  if (!c.layer_types().empty()) j["layer_types"] = c.layer_types();
   j["causal_attention"] = c.causal_attention();
   // With RoPE no parameter has the max positions' size (so the shape JSON says 0), but
   // they are the model's own (an imported one's) and go back into an exported HF config.
@@ -77,6 +78,7 @@ nlohmann::json gpt_shape_json(const TransformerConfig& c) {
   nlohmann::json j{{"hidden_size", c.hidden_size()},
           {"num_attention_heads", c.num_attention_heads()},
           {"num_query_groups", c.query_groups()},
+          {"kv_channels", c.kv_channels()},
           {"ffn_hidden_size", c.ffn()},
           {"num_layers", c.num_layers()},
           {"vocab_size", c.vocab_size()},
@@ -86,6 +88,9 @@ nlohmann::json gpt_shape_json(const TransformerConfig& c) {
           {"position_embedding_type", transformer::to_string(c.position_embedding_type())},
           {"add_bias_linear", c.add_bias_linear()},
           {"add_qkv_bias", c.add_qkv_bias()},
+          {"add_attention_bias", c.add_attention_bias()},
+          {"add_mlp_bias", c.add_mlp_bias()},
+          {"qk_layernorm", c.qk_layernorm()},
           {"tie_embeddings", c.tie_embeddings()}};
   // Only MoE models carry these, so dense checkpoints compare as they always did.
   if (c.num_experts() > 0) {
@@ -139,8 +144,13 @@ TransformerConfig gpt_config_from_json(const nlohmann::json& j, TransformerConfi
     }
     if (j.contains("init_std")) c.init_std(j.at("init_std").get<double>());
     // Absent in checkpoints written before these fields existed: no QKV bias of its own, no window.
-    c.add_qkv_bias(j.value("add_qkv_bias", false));
+    c.kv_channels(j.contains("kv_channels") ? integer("kv_channels") : 0);
+    c.add_qkv_bias(j.value("add_qkv_bias", false))
+        .add_attention_bias(j.value("add_attention_bias", false))
+        .add_mlp_bias(j.value("add_mlp_bias", false))
+        .qk_layernorm(j.value("qk_layernorm", false));
     c.sliding_window(j.contains("sliding_window") ? integer("sliding_window") : 0);
+    c.layer_types(j.value("layer_types", std::vector<std::string>{}));
     c.causal_attention(j.value("causal_attention", true));  // absent: written when every model was causal
     if (j.contains("num_experts")) {
       c.num_experts(integer("num_experts"))

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <type_traits>
@@ -113,29 +114,36 @@ HFRope rope_of(const json& h, const std::string& arch, double fallback) {
   return out;
 }
 
-// Qwen2's window: layer i slides when use_sliding_window and i >= max_window_layers
-// (transformers writes this out as layer_types). megatorch has one attention kind for every
-// layer: all sliding is a window, none sliding is none, a mix is refused.
-int64_t qwen2_window(const json& h, int64_t layers) {
-  if (!get_or<bool>(h, "use_sliding_window", false)) return 0;
-  const int64_t window = size_field_or(h, "sliding_window", 0, 0);
-  if (window <= 0) return 0;
-  int64_t sliding = 0;
-  if (h.contains("layer_types") && h.at("layer_types").is_array()) {
-    for (const auto& t : h.at("layer_types")) {
-      MEGATORCH_CHECK(t.is_string(), "config.json: expected 'layer_types' to hold strings, got ", t.dump());
-      sliding += t.get<std::string>() == "sliding_attention";
+// Qwen2's and Qwen3's windows: with use_sliding_window, layer i slides when layer_types says
+// "sliding_attention" or, without layer_types, when i >= max_window_layers (as transformers
+// derives layer_types). Every layer sliding is kept as the window alone (no layer_types).
+struct HFWindow {
+  int64_t window = 0;
+  std::vector<std::string> layer_types;
+};
+HFWindow qwen_window(const json& h, int64_t layers) {
+  HFWindow out;
+  if (!get_or<bool>(h, "use_sliding_window", false)) return out;
+  out.window = size_field_or(h, "sliding_window", 0, 0);
+  if (out.window <= 0) return {};
+  if (h.contains("layer_types") && !h.at("layer_types").is_null()) {
+    const json& t = h.at("layer_types");
+    MEGATORCH_CHECK(t.is_array() && static_cast<int64_t>(t.size()) == layers, "config.json: expected 'layer_types' "
+                    "to be a list of num_hidden_layers (", layers, ") strings, got ", t.dump());
+    for (const auto& v : t) {
+      MEGATORCH_CHECK(v.is_string() && (v == "sliding_attention" || v == "full_attention"), "config.json: expected "
+                      "each of layer_types to be 'sliding_attention' or 'full_attention', got ", v.dump());
+      out.layer_types.push_back(v.get<std::string>());
     }
   } else {
-    sliding = std::max<int64_t>(0, layers - size_field_or(h, "max_window_layers", 0, 28));
+    const int64_t full = size_field_or(h, "max_window_layers", 0, 28);
+    for (int64_t i = 0; i < layers; ++i) out.layer_types.push_back(i >= full ? "sliding_attention" : "full_attention");
   }
-  MEGATORCH_CHECK(sliding == 0 || sliding == layers, "Qwen2 import: use_sliding_window with max_window_layers ",
-                  get_or<int64_t>(h, "max_window_layers", 28), " (layer_types) gives ", sliding, " sliding-window and ",
-                  layers - sliding, " full-attention layers; megatorch gives every layer the same attention, so "
-                  "max_window_layers must be 0 (all layers slide) or >= num_hidden_layers (", layers, ", none do)");
-  return sliding == layers ? window : 0;
+  const auto sliding = std::count(out.layer_types.begin(), out.layer_types.end(), "sliding_attention");
+  if (sliding == 0) return {};
+  if (sliding == layers) out.layer_types.clear();
+  return out;
 }
-
 
 }  // namespace
 
@@ -146,12 +154,14 @@ const char* to_string(HFArch a) {
     case HFArch::kMistral: return "mistral";
     case HFArch::kQwen2: return "qwen2";
     case HFArch::kMixtral: return "mixtral";
+    case HFArch::kQwen3: return "qwen3";
   }
   return "?";
 }
 
 HFArch parse_hf_arch(const std::string& s) {
-  return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2, HFArch::kMixtral},
+  return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2, HFArch::kMixtral,
+                              HFArch::kQwen3},
                           "a HuggingFace model_type");
 }
 
@@ -167,6 +177,10 @@ std::vector<std::string> mixtral_obstacles(const TransformerConfig& c) {
   if (c.rotary_percent() != 1.0) add("rotary_percent ", c.rotary_percent(), " (Mixtral rotates the whole head)");
   if (c.add_bias_linear()) add("add_bias_linear true (Mixtral has no linear biases)");
   if (c.add_qkv_bias()) add("add_qkv_bias true (Mixtral has no q/k/v biases)");
+  if (c.add_attention_bias()) add("add_attention_bias true (Mixtral has no attention biases)");
+  if (c.add_mlp_bias()) add("add_mlp_bias true (Mixtral's experts have no biases)");
+  if (c.qk_layernorm()) add("qk_layernorm true (Mixtral has no QK-norm)");
+  if (!c.layer_types().empty()) add("layer_types (Mixtral's window covers every layer or none)");
   if (!c.causal_attention()) add("causal_attention false (Mixtral is a causal LM)");
   if (c.num_experts() == 0) return out;
   if (c.moe_layer_freq() != 1) add("moe_layer_freq ", c.moe_layer_freq(), " (Mixtral: 1, experts in every layer)");
@@ -192,11 +206,16 @@ std::vector<std::string> mixtral_obstacles(const TransformerConfig& c) {
 bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
   if (!c.causal_attention()) return false;  // every supported HF model is a causal LM
   const bool dense = c.num_experts() == 0;
+  // Llama-shaped, with which biases (q/k/v only: Qwen2; q/k/v/o: attention_bias) and QK-norm.
+  const bool llama = dense && llama_shaped(c);
+  const bool qkv_only = c.qkv_bias() && !c.proj_bias(), no_bias = !c.qkv_bias() && !c.mlp_bias();
   switch (a) {
-    case HFArch::kGPT2: return dense && gpt2_shaped(c) && c.sliding_window() == 0;
-    case HFArch::kLlama: return dense && llama_shaped(c) && !c.add_qkv_bias() && c.sliding_window() == 0;
-    case HFArch::kMistral: return dense && llama_shaped(c) && !c.add_qkv_bias();
-    case HFArch::kQwen2: return dense && llama_shaped(c) && c.add_qkv_bias();
+    case HFArch::kGPT2:
+      return dense && gpt2_shaped(c) && c.sliding_window() == 0 && !c.qk_layernorm() && c.kv_channels() == 0;
+    case HFArch::kLlama: return llama && !qkv_only && !c.qk_layernorm() && c.sliding_window() == 0;
+    case HFArch::kMistral: return llama && no_bias && !c.qk_layernorm() && c.layer_types().empty();
+    case HFArch::kQwen2: return llama && qkv_only && !c.mlp_bias() && !c.qk_layernorm();
+    case HFArch::kQwen3: return llama && !qkv_only && !c.mlp_bias() && c.qk_layernorm();
     case HFArch::kMixtral: return mixtral_obstacles(c).empty();
   }
   return false;
@@ -207,7 +226,7 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
     const HFArch p = parse_hf_arch(preferred);
     if (hf_arch_holds(p, c)) return p;
   }
-  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kMistral, HFArch::kMixtral})
+  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kQwen3, HFArch::kMistral, HFArch::kMixtral})
     if (hf_arch_holds(a, c)) return a;
   if (c.num_experts() > 0) {
     MEGATORCH_FAIL("HuggingFace export: the mixture-of-experts model cannot be written as Mixtral ",
@@ -217,22 +236,25 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
   }
   MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
                  to_string(c.position_embedding_type()), ", rotary_percent ", c.rotary_percent(),
-                 ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ",
-                 c.add_qkv_bias(), ", sliding_window ", c.sliding_window(), ", ", c.query_groups(),
-                 " query groups, causal_attention ", c.causal_attention(), ") is neither GPT-2 (LayerNorm, "
-                 "gelu_tanh, learned positions, biases, MHA, no window) nor Llama/Mistral/Qwen2 (RMSNorm, swiglu, "
-                 "rope over the whole head (rotary_percent 1: transformers' Llama family rotates every channel), no linear "
-                 "biases; Qwen2: add_qkv_bias; Mistral: sliding_window), all of them causal "
-                 "(causal_attention true)");
+                 ", add_bias_linear ", c.add_bias_linear(), ", add_qkv_bias ", c.add_qkv_bias(),
+                 ", add_attention_bias ", c.add_attention_bias(), ", add_mlp_bias ", c.add_mlp_bias(), ", qk_layernorm ",
+                 c.qk_layernorm(), ", sliding_window ", c.sliding_window(), ", ", c.layer_types().size(),
+                 " layer_types, ", c.query_groups(), " query groups, causal_attention ", c.causal_attention(),
+                 ") is neither GPT-2 (LayerNorm, gelu_tanh, learned positions, biases, MHA, no window, no QK-norm) nor "
+                 "Llama/Mistral/Qwen2/Qwen3 (RMSNorm, swiglu, rope over the whole head (rotary_percent 1: transformers' "
+                 "Llama family rotates every channel), no add_bias_linear; Llama: attention/MLP biases, no window; "
+                 "Mistral: no biases, one window for all layers; Qwen2: add_qkv_bias only; Qwen3: qk_layernorm), all "
+                 "of them causal (causal_attention true)");
 }
 
 namespace {
 
 // hidden / heads and heads / key-value heads, named with config.json's own fields before
 // anything divides by them (validate() says the same in megatorch's names).
-void check_heads(const json& h, const char* hidden_key, const char* heads_key, const char* groups_key) {
+void check_heads(const json& h, const char* hidden_key, const char* heads_key, const char* groups_key,
+                 bool hidden_divisible = true) {
   const int64_t hidden = h.at(hidden_key).get<int64_t>(), heads = h.at(heads_key).get<int64_t>();
-  MEGATORCH_CHECK(hidden % heads == 0, "config.json: expected ", hidden_key, " (", hidden, ") to be divisible by ",
+  MEGATORCH_CHECK(!hidden_divisible || hidden % heads == 0, "config.json: expected ", hidden_key, " (", hidden, ") to be divisible by ",
                   heads_key, " (", heads, "); fix the field in config.json");
   if (groups_key == nullptr || !h.contains(groups_key) || h.at(groups_key).is_null()) return;
   const int64_t groups = h.at(groups_key).get<int64_t>();
@@ -297,36 +319,35 @@ TransformerConfig config_from_hf(const json& h) {
     validate_imported(c, "GPT-2");
     return c;
   }
-  // Llama, Mistral, Qwen2 and Mixtral: one layout; Qwen2 adds q/k/v biases, Mistral and
-  // Mixtral (and Qwen2 with use_sliding_window) a sliding window, Mixtral experts for the MLP.
+  // Llama, Mistral, Qwen2, Qwen3 and Mixtral: one layout; Qwen2 adds q/k/v biases, Qwen3
+  // QK-norm, Mistral and Mixtral (and Qwen2/3 with use_sliding_window, per layer) a sliding
+  // window, Mixtral experts for the MLP; Llama and Qwen3 may have attention biases.
   // pretraining_tp > 1 (Llama) only split the matmuls in transformers 4.x (numerically the
   // same sums; 5.x ignores it), so it is not refused; pad_token_id only keeps HF's embedding
   // row from training (padding_idx), not the forward.
   const std::string name = arch == HFArch::kLlama     ? "Llama"
                            : arch == HFArch::kMistral ? "Mistral"
                            : arch == HFArch::kQwen2   ? "Qwen2"
+                           : arch == HFArch::kQwen3   ? "Qwen3"
                                                       : "Mixtral";
   const std::string act = get_or<std::string>(h, "hidden_act", "silu");
   MEGATORCH_CHECK(act == "silu" || act == "swish", name, " import: hidden_act '", act,
                   "' is not supported (megatorch's SwiGLU uses silu)");
-  if (arch == HFArch::kLlama) {  // Mistral's and Qwen2's modeling code does not read these
-    MEGATORCH_CHECK(!get_or<bool>(h, "attention_bias", false), "Llama import: attention_bias true is not "
-                    "supported (it also puts a bias on o_proj, which megatorch's bias-free Llama has not)");
-    MEGATORCH_CHECK(!get_or<bool>(h, "mlp_bias", false), "Llama import: mlp_bias true is not supported");
-  }
+  // Only Llama's and Qwen3's modeling code reads these (q/k/v/o biases; gate/up/down biases).
+  const bool attention_bias = (arch == HFArch::kLlama || arch == HFArch::kQwen3) && get_or<bool>(h, "attention_bias", false);
+  const bool mlp_bias = arch == HFArch::kLlama && get_or<bool>(h, "mlp_bias", false);
   // transformers' default base where config.json has none: 1e6 for Mixtral, 1e4 otherwise.
   const HFRope rope = rope_of(h, name, arch == HFArch::kMixtral ? 1e6 : 1e4);
   const int64_t hidden = size_field(h, "hidden_size", 1), heads = size_field(h, "num_attention_heads", 1);
   const int64_t groups = size_field_or(h, "num_key_value_heads", 1, heads);
-  check_heads(h, "hidden_size", "num_attention_heads", "num_key_value_heads");
-  const int64_t head_dim = size_field_or(h, "head_dim", 1, hidden / heads);
-  MEGATORCH_CHECK(head_dim * heads == hidden, name, " import: head_dim ", head_dim,
-                  " is not supported; megatorch's head dim is hidden_size / num_attention_heads = ", hidden, " / ",
-                  heads);
+  // head_dim given: heads x head_dim may differ from hidden_size (Qwen3), megatorch's kv_channels.
+  const bool explicit_head_dim = h.contains("head_dim") && !h.at("head_dim").is_null();
+  check_heads(h, "hidden_size", "num_attention_heads", "num_key_value_heads", !explicit_head_dim);
+  const int64_t head_dim = explicit_head_dim ? size_field(h, "head_dim", 1) : hidden / heads;
   const int64_t layers = size_field(h, "num_hidden_layers", 1);
-  int64_t window = 0;
-  if (arch == HFArch::kMistral || arch == HFArch::kMixtral) window = size_field_or(h, "sliding_window", 0, 0);  // null: none
-  if (arch == HFArch::kQwen2) window = qwen2_window(h, layers);
+  HFWindow window;
+  if (arch == HFArch::kMistral || arch == HFArch::kMixtral) window.window = size_field_or(h, "sliding_window", 0, 0);  // null: none
+  if (arch == HFArch::kQwen2 || arch == HFArch::kQwen3) window = qwen_window(h, layers);
   const int64_t positions = size_field(h, "max_position_embeddings", 1);
   // Dynamic NTK scales above max_position_embeddings, up to factor times it: the model's
   // reach (its seq_length stays the pretraining context).
@@ -335,13 +356,14 @@ TransformerConfig config_from_hf(const json& h) {
   c.hidden_size(hidden)
       .num_attention_heads(heads)
       .num_query_groups(groups)
+      .kv_channels(head_dim * heads == hidden ? 0 : head_dim)
       .num_layers(layers)
       .vocab_size(size_field(h, "vocab_size", 1))
       .ffn_hidden_size(size_field(h, "intermediate_size", 1))
-      // The window is kept; sequences stay within it (validate() refuses longer ones).
-      .seq_length(window > 0 ? std::min(positions, window) : positions)
+      .seq_length(positions)
       .max_position_embeddings(reach)
-      .sliding_window(window)
+      .sliding_window(window.window)
+      .layer_types(window.layer_types)
       .norm_epsilon(get_or<double>(h, "rms_norm_eps", 1e-6))
       .rotary_base(rope.theta)
       .rope_scaling(rope.scaling)
@@ -351,6 +373,9 @@ TransformerConfig config_from_hf(const json& h) {
       .position_embedding_type(Positions::kRope)
       .add_bias_linear(false)
       .add_qkv_bias(arch == HFArch::kQwen2)
+      .add_attention_bias(attention_bias)
+      .add_mlp_bias(mlp_bias)
+      .qk_layernorm(arch == HFArch::kQwen3)
       .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", false));
   if (arch == HFArch::kMixtral) {
     // Every layer's MLP is num_local_experts SwiGLU experts of intermediate_size, k of them
@@ -395,6 +420,7 @@ json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_
   const char* cls = arch == HFArch::kLlama     ? "LlamaForCausalLM"
                     : arch == HFArch::kMistral ? "MistralForCausalLM"
                     : arch == HFArch::kQwen2   ? "Qwen2ForCausalLM"
+                    : arch == HFArch::kQwen3   ? "Qwen3ForCausalLM"
                                                : "MixtralForCausalLM";
   json j = {{"architectures", {cls}},
             {"model_type", to_string(arch)},
@@ -423,8 +449,8 @@ json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_
   }
   const json window = c.sliding_window() > 0 ? json(c.sliding_window()) : json(nullptr);
   if (arch == HFArch::kLlama) {
-    j["attention_bias"] = false;
-    j["mlp_bias"] = false;
+    j["attention_bias"] = c.add_attention_bias();
+    j["mlp_bias"] = c.add_mlp_bias();
   } else if (arch == HFArch::kMistral) {
     j["sliding_window"] = window;
   } else if (arch == HFArch::kMixtral) {
@@ -438,13 +464,18 @@ json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_
     j["router_aux_loss_coef"] = get_or<double>(st, "hf_router_aux_loss_coef", 0.0);
     j["router_jitter_noise"] = get_or<double>(st, "hf_router_jitter_noise", 0.0);
   } else {
-    // Qwen2: every layer slides (max_window_layers 0) or none does; layer_types says so
-    // explicitly, as transformers 5 writes it.
-    const bool slides = c.sliding_window() > 0;
-    j["use_sliding_window"] = slides;
+    // Qwen2 and Qwen3: layer_types explicitly, as transformers 5 writes it; max_window_layers
+    // (what 4.x reads) counts the leading full-attention layers.
+    if (arch == HFArch::kQwen3) j["attention_bias"] = c.add_attention_bias();
+    std::vector<std::string> types;
+    for (int64_t i = 0; i < c.num_layers(); ++i) {
+      types.push_back(c.attention_window(i) > 0 ? "sliding_attention" : "full_attention");
+    }
+    const auto full = std::find(types.begin(), types.end(), "sliding_attention") - types.begin();
+    j["use_sliding_window"] = c.sliding_window() > 0;
     j["sliding_window"] = window;
-    j["max_window_layers"] = slides ? 0 : c.num_layers();
-    j["layer_types"] = std::vector<std::string>(c.num_layers(), slides ? "sliding_attention" : "full_attention");
+    j["max_window_layers"] = full;
+    j["layer_types"] = types;
   }
   return j;
 }

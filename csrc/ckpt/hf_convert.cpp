@@ -188,13 +188,18 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
       const at::Tensor k = hf.take(p + "self_attn.k_proj.weight", {groups * d, h}).reshape({groups, d, h});
       const at::Tensor v = hf.take(p + "self_attn.v_proj.weight", {groups * d, h}).reshape({groups, d, h});
       out[l + "attention.qkv.weight"] = at::cat({q, k, v}, 1).reshape({(heads + 2 * groups) * d, h});
-      if (c.add_qkv_bias()) {
+      if (c.qkv_bias()) {
         const at::Tensor qb = hf.take(p + "self_attn.q_proj.bias", {heads * d}).reshape({groups, per * d});
         const at::Tensor kb = hf.take(p + "self_attn.k_proj.bias", {groups * d}).reshape({groups, d});
         const at::Tensor vb = hf.take(p + "self_attn.v_proj.bias", {groups * d}).reshape({groups, d});
         out[l + "attention.qkv.bias"] = at::cat({qb, kb, vb}, 1).reshape({(heads + 2 * groups) * d});
       }
       out[l + "attention.proj.weight"] = hf.take(p + "self_attn.o_proj.weight", {h, heads * d});
+      if (c.proj_bias()) out[l + "attention.proj.bias"] = hf.take(p + "self_attn.o_proj.bias", {h});
+      if (c.qk_layernorm()) {
+        out[l + "attention.q_norm.weight"] = hf.take(p + "self_attn.q_norm.weight", {d});
+        out[l + "attention.k_norm.weight"] = hf.take(p + "self_attn.k_norm.weight", {d});
+      }
       if (c.is_moe_layer(i)) {
         take_mixtral_experts(hf, p, l, c, out);
         continue;
@@ -202,6 +207,10 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
       out[l + "mlp.fc1.weight"] = at::cat(
           {hf.take(p + "mlp.gate_proj.weight", {F, h}), hf.take(p + "mlp.up_proj.weight", {F, h})}, 0);
       out[l + "mlp.fc2.weight"] = hf.take(p + "mlp.down_proj.weight", {h, F});
+      if (c.mlp_bias()) {
+        out[l + "mlp.fc1.bias"] = at::cat({hf.take(p + "mlp.gate_proj.bias", {F}), hf.take(p + "mlp.up_proj.bias", {F})});
+        out[l + "mlp.fc2.bias"] = hf.take(p + "mlp.down_proj.bias", {h});
+      }
     }
     out["final_norm.weight"] = hf.take("model.norm.weight", {h});
     if (!c.tie_embeddings()) out["output_layer"] = hf.take("lm_head.weight", {V, h});
@@ -258,13 +267,18 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
       out[p + "self_attn.q_proj.weight"] = qkv.narrow(1, 0, per).reshape({heads * d, h});
       out[p + "self_attn.k_proj.weight"] = qkv.select(1, per).reshape({groups * d, h});
       out[p + "self_attn.v_proj.weight"] = qkv.select(1, per + 1).reshape({groups * d, h});
-      if (c.add_qkv_bias()) {
+      if (c.qkv_bias()) {
         const at::Tensor b = take(mt, l + "attention.qkv.bias").reshape({groups, per + 2, d});
         out[p + "self_attn.q_proj.bias"] = b.narrow(1, 0, per).reshape({heads * d});
         out[p + "self_attn.k_proj.bias"] = b.select(1, per).reshape({groups * d});
         out[p + "self_attn.v_proj.bias"] = b.select(1, per + 1).reshape({groups * d});
       }
       out[p + "self_attn.o_proj.weight"] = take(mt, l + "attention.proj.weight");
+      if (c.proj_bias()) out[p + "self_attn.o_proj.bias"] = take(mt, l + "attention.proj.bias");
+      if (c.qk_layernorm()) {
+        out[p + "self_attn.q_norm.weight"] = take(mt, l + "attention.q_norm.weight");
+        out[p + "self_attn.k_norm.weight"] = take(mt, l + "attention.k_norm.weight");
+      }
       if (c.is_moe_layer(i)) {
         // The published per-expert layout: transformers 4.x's module names, which 5.x fuses
         // on load and splits again in save_pretrained.
@@ -284,6 +298,12 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
       out[p + "mlp.gate_proj.weight"] = gate_up[0];
       out[p + "mlp.up_proj.weight"] = gate_up[1];
       out[p + "mlp.down_proj.weight"] = take(mt, l + "mlp.fc2.weight");
+      if (c.mlp_bias()) {
+        const auto bias = take(mt, l + "mlp.fc1.bias").chunk(2, 0);
+        out[p + "mlp.gate_proj.bias"] = bias[0];
+        out[p + "mlp.up_proj.bias"] = bias[1];
+        out[p + "mlp.down_proj.bias"] = take(mt, l + "mlp.fc2.bias");
+      }
     }
     out["model.norm.weight"] = take(mt, "final_norm.weight");
     if (!c.tie_embeddings()) out["lm_head.weight"] = take(mt, "output_layer");

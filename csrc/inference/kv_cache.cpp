@@ -13,19 +13,16 @@ using transformer::Positions;
 
 int64_t max_sequence_length(const transformer::TransformerConfig& c) {
   int64_t limit = std::numeric_limits<int64_t>::max();
+  // A learned table ends; RoPE and sliding windows go on (cached attention masks the window).
   if (c.position_embedding_type() == Positions::kLearned) limit = c.max_positions();
-  // Attention here covers the whole causal prefix: past the window it would attend
-  // further back than the model was trained to.
-  if (c.sliding_window() > 0) limit = std::min(limit, c.sliding_window());
   return limit;
 }
 
 void check_sequence_length(const transformer::TransformerConfig& c, int64_t total) {
   const int64_t limit = max_sequence_length(c);
   if (total <= limit) return;
-  const bool window = c.sliding_window() > 0 && limit == c.sliding_window();
-  MEGATORCH_FAIL("generation: expected the prompt plus the new tokens to fit the model's ",
-                 window ? "sliding window of " : "learned position table of ", limit, " tokens, got ", total,
+  MEGATORCH_FAIL("generation: expected the prompt plus the new tokens to fit the model's learned position table of ",
+                 limit, " tokens, got ", total,
                  " tokens; shorten the prompt or lower --max-new-tokens");
 }
 

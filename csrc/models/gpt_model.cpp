@@ -112,7 +112,7 @@ at::Tensor GPTModelImpl::positions(int64_t tokens) {
   return positions_;
 }
 
-at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
+at::Tensor GPTModelImpl::embed(const at::Tensor& ids, const at::Tensor& position_ids) {
   const auto& c = options.config();
   MEGATORCH_CHECK(ids.dim() == 2 && ids.size(1) * cp.size <= c.max_positions(),
                   "GPTModel: expected token ids [b, s] with s <= ", c.max_positions() / cp.size,
@@ -121,7 +121,10 @@ at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
   if (position_embedding.defined()) {
     const int64_t s = h.size(0);
     const int64_t first = c.sequence_parallel() ? tp.rank * s : 0;  // this rank's tokens
-    if (cp.size == 1) {
+    if (position_ids.defined()) {  // packed documents: each row its own positions
+      const at::Tensor pos = position_ids.narrow(1, first, s).t().reshape({-1});  // [s·b], s-major
+      h = h + position_embedding.index_select(0, pos).view({s, ids.size(0), h.size(2)});
+    } else if (cp.size == 1) {
       h = h + position_embedding.narrow(0, first, s).unsqueeze(1);
     } else {
       h = h + position_embedding.index_select(0, positions(ids.size(1)).narrow(0, first, s)).unsqueeze(1);
@@ -130,10 +133,16 @@ at::Tensor GPTModelImpl::embed(const at::Tensor& ids) {
   return transformer::hidden_dropout(h, c, is_training(), options.rng().get());
 }
 
-at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
+at::Tensor GPTModelImpl::forward(const at::Tensor& input, const transformer::PackedSequence& packed) {
   const auto& c = options.config();
   if (unit_hooks_) unit_hooks_->before_forward(first_unit_);
-  at::Tensor h = options.pre_process() ? embed(input) : input;
+  // Packed positions of this rank's tokens (under CP its two chunks, as the ids are sliced);
+  // the document ids stay whole: attention reaches the other ranks' keys.
+  at::Tensor position_ids = packed.position_ids;
+  if (position_ids.defined() && cp.size > 1) {
+    position_ids = transformer::context_parallel_slice(position_ids, 1, cp.size, cp.rank);
+  }
+  at::Tensor h = options.pre_process() ? embed(input, position_ids) : input;
   // RoPE angles for the positions present: attention sees the whole sequence (gathered under SP).
   at::Tensor freqs = rope_freqs_;
   const int64_t tokens = c.sequence_parallel() ? h.size(0) * tp.size : h.size(0);
@@ -153,17 +162,26 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input) {
     if (tokens > freqs.size(0) || dynamic_rope(c)) rope_freqs_ = transformer::rope_frequencies(tokens, c, c.device());
     freqs = tokens < rope_freqs_.size(0) ? rope_freqs_.narrow(0, 0, tokens) : rope_freqs_;
   }
+  // Packed positions restart in each document: every row's own angles, from the table of
+  // the whole sequence's positions (packed ones are smaller).
+  if (freqs.defined() && position_ids.defined()) {
+    const int64_t s = tokens * cp.size;
+    const at::Tensor table = s <= rope_freqs_.size(0) ? rope_freqs_ : transformer::rope_frequencies(s, c, c.device());
+    freqs = transformer::rope_at_positions(table, position_ids);
+  }
+  const transformer::Documents documents = transformer::documents_of(packed);
   const auto run_layers = [&](at::Tensor x) {
     for (size_t i = 0; i < layers->size(); ++i) {
       const int64_t unit = first_unit_ + 1 + static_cast<int64_t>(i);
       if (unit_hooks_) unit_hooks_->before_forward(unit);
-      x = layers[i]->as<transformer::TransformerLayer>()->forward(x, freqs);
+      x = layers[i]->as<transformer::TransformerLayer>()->forward(x, freqs, documents);
       if (unit_hooks_) x = unit_hooks_->after_forward(unit, x);
     }
     return x;
   };
-  h = c.cuda_graph() && is_training() && torch::GradMode::is_enabled() ? run_layers_graphed(h, freqs, run_layers)
-                                                                        : run_layers(h);
+  // A graph replays one shape of attention: packed documents differ from batch to batch.
+  const bool graphed = c.cuda_graph() && is_training() && torch::GradMode::is_enabled() && packed.empty();
+  h = graphed ? run_layers_graphed(h, freqs, run_layers) : run_layers(h);
   if (options.post_process()) {
     h = final_norm->forward(h);
     // The head is a column-parallel layer over the vocabulary that keeps its output split.

@@ -55,7 +55,7 @@ void GroupedExpertsImpl::reset() {
   torch::NoGradGuard no_grad;
   for (const std::string name : kNames) {
     const bool is_bias = name.find("bias") != std::string::npos;
-    if (is_bias && !c.add_bias_linear()) continue;
+    if (is_bias && !c.mlp_bias()) continue;
     const tp::ShardSpec s = spec(name);
     at::Tensor p = register_parameter(name, at::empty(tp::shard_shape(s), t));
     if (is_bias) {

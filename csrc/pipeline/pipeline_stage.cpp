@@ -99,6 +99,11 @@ void PipelineStageImpl::prepare(const std::vector<MicroBatch>& mbs) {
                     "] with one b, got ids ", mbs[i].ids.defined() ? mbs[i].ids.sizes() : at::IntArrayRef{},
                     " and labels ", mbs[i].labels.defined() ? mbs[i].labels.sizes() : at::IntArrayRef{},
                     " for micro-batch ", i);
+    for (const char* name : {"position_ids", "document_ids"}) {
+      MEGATORCH_CHECK(!mbs[i].has(name) || mbs[i].get(name).sizes() == mbs[i].ids.sizes(), "pipeline: expected the ",
+                      "micro-batch's ", name, " to be [b, s] like its ids ", mbs[i].ids.sizes(), ", got ",
+                      mbs[i].get(name).sizes(), " for micro-batch ", i);
+    }
   }
   micro_batch_size_ = mbs[0].ids.size(0);
 }
@@ -108,9 +113,13 @@ ActivationSpec PipelineStageImpl::activation_spec(int64_t) const {
 }
 
 at::Tensor PipelineStageImpl::forward_chunk(int64_t c, const at::Tensor& input, const MicroBatch& mb) {
-  if (input.defined()) return chunk(c)->forward(input);
+  // Packed documents: every chunk, first or not, attends within them (the loader's names).
+  transformer::PackedSequence packed;
+  if (mb.has("position_ids")) packed.position_ids = mb.get("position_ids");
+  if (mb.has("document_ids")) packed.document_ids = mb.get("document_ids");
+  if (input.defined()) return chunk(c)->forward(input, packed);
   const auto& cp = chunk(c)->cp;
-  return chunk(c)->forward(transformer::context_parallel_slice(mb.ids, 1, cp.size, cp.rank));
+  return chunk(c)->forward(transformer::context_parallel_slice(mb.ids, 1, cp.size, cp.rank), packed);
 }
 
 at::Tensor PipelineStageImpl::micro_batch_loss(const at::Tensor& output, const MicroBatch& mb) {

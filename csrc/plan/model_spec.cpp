@@ -18,14 +18,26 @@ int64_t ModelSpec::ffn() const {
   return 4 * hidden_size;
 }
 
+double ModelSpec::attention_keys_per_query() const {
+  const double s = static_cast<double>(seq_length);
+  const double span = mean_document_length > 0 ? std::min<double>(s, mean_document_length) : s;
+  if (sliding_window <= 0 || sliding_layers <= 0) return span;
+  const double sliding = static_cast<double>(std::min(sliding_layers, num_layers)) / num_layers;
+  return sliding * std::min<double>(span, sliding_window) + (1 - sliding) * span;
+}
+
 void ModelSpec::validate() const {
   MEGATORCH_CHECK(num_layers >= 1 && hidden_size >= 1 && num_attention_heads >= 1 && vocab_size >= 1 &&
                       seq_length >= 1 && make_vocab_size_divisible_by >= 1,
                   "model '", name, "': expected positive num_layers, hidden_size, num_attention_heads, vocab_size, "
                   "seq_length, got ", num_layers, ", ", hidden_size, ", ", num_attention_heads, ", ", vocab_size, ", ",
                   seq_length);
-  MEGATORCH_CHECK(hidden_size % num_attention_heads == 0, "model '", name, "': expected hidden_size (", hidden_size,
-                  ") divisible by num_attention_heads (", num_attention_heads, ")");
+  MEGATORCH_CHECK(kv_channels > 0 || hidden_size % num_attention_heads == 0, "model '", name,
+                  "': expected hidden_size (", hidden_size, ") divisible by num_attention_heads (", num_attention_heads,
+                  ") or kv_channels set");
+  MEGATORCH_CHECK(mean_document_length >= 0 && sliding_window >= 0, "model '", name, "': expected "
+                  "--mean-document-length and the sliding window >= 0 (0: none), got ", mean_document_length, " and ",
+                  sliding_window);
   MEGATORCH_CHECK(num_attention_heads % query_groups() == 0, "model '", name, "': expected num_attention_heads (",
                   num_attention_heads, ") divisible by num_query_groups (", query_groups(), ")");
   MEGATORCH_CHECK(num_experts >= 0, "model '", name, "': expected --num-experts >= 0 (0: a dense model), got ",
@@ -74,12 +86,15 @@ std::vector<std::string> preset_names() { return {"gpt3-175b", "megatron-1t", "l
 ModelSpec from_transformer_config(const transformer::TransformerConfig& c) {
   ModelSpec m;
   m.num_layers = c.num_layers(), m.hidden_size = c.hidden_size(), m.num_attention_heads = c.num_attention_heads();
-  m.num_query_groups = c.num_query_groups(), m.ffn_hidden_size = c.ffn(), m.vocab_size = c.vocab_size();
+  m.num_query_groups = c.num_query_groups(), m.kv_channels = c.kv_channels(), m.ffn_hidden_size = c.ffn(), m.vocab_size = c.vocab_size();
   m.make_vocab_size_divisible_by = c.make_vocab_size_divisible_by(), m.seq_length = c.seq_length();
   m.swiglu = c.activation() == transformer::Activation::kSwiGLU;
   m.rms_norm = c.normalization() == transformer::Normalization::kRMSNorm;
   m.learned_positions = c.position_embedding_type() == transformer::Positions::kLearned;
   m.add_bias_linear = c.add_bias_linear(), m.add_qkv_bias = c.add_qkv_bias(), m.tie_embeddings = c.tie_embeddings();
+  m.add_attention_bias = c.add_attention_bias(), m.add_mlp_bias = c.add_mlp_bias(), m.qk_layernorm = c.qk_layernorm();
+  m.sliding_window = c.sliding_window();
+  for (int64_t i = 0; i < c.num_layers(); ++i) m.sliding_layers += c.attention_window(i) > 0;
   m.num_experts = c.num_experts(), m.moe_router_topk = c.moe_router_topk(), m.moe_ffn_hidden_size = c.moe_ffn();
   m.moe_layer_freq = c.moe_layer_freq(), m.moe_first_k_dense = c.moe_first_k_dense();
   m.moe_shared_expert_intermediate_size = c.moe_shared_expert_intermediate_size();
@@ -280,12 +295,14 @@ struct LayerShapes {
 // `ffn` (fc1 column, fc2 row): a dense layer is both, an MoE layer's shared expert the second.
 LayerShapes attention_shapes(const ModelSpec& m) {
   const int64_t h = m.hidden_size, qkv = (m.num_attention_heads + 2 * m.query_groups()) * m.head_dim();
-  const int64_t bias = m.add_bias_linear ? 1 : 0, qkv_bias = m.add_bias_linear || m.add_qkv_bias ? 1 : 0;
-  const int64_t norm = (m.rms_norm || !m.add_bias_linear) ? h : 2 * h;  // LayerNorm's beta follows the biases
-  return {h * qkv, qkv_bias * qkv, m.num_attention_heads * m.head_dim() * h, bias * h, 2 * norm};
+  const int64_t bias = m.add_bias_linear || m.add_attention_bias ? 1 : 0;
+  const int64_t qkv_bias = bias || m.add_qkv_bias ? 1 : 0;
+  const int64_t beta = (m.rms_norm || !m.add_bias_linear) ? 1 : 2;  // LayerNorm's beta follows the biases
+  const int64_t qk_norms = m.qk_layernorm ? 2 * beta * m.head_dim() : 0;  // replicated over TP
+  return {h * qkv, qkv_bias * qkv, m.num_attention_heads * m.head_dim() * h, bias * h, 2 * beta * h + qk_norms};
 }
 LayerShapes mlp_shapes(const ModelSpec& m, int64_t ffn) {
-  const int64_t h = m.hidden_size, fc1 = ffn * (m.swiglu ? 2 : 1), bias = m.add_bias_linear ? 1 : 0;
+  const int64_t h = m.hidden_size, fc1 = ffn * (m.swiglu ? 2 : 1), bias = m.mlp_bias() ? 1 : 0;
   return {h * fc1, bias * fc1, ffn * h, bias * h, 0};
 }
 LayerShapes layer_shapes(const ModelSpec& m) {
@@ -355,7 +372,8 @@ LayerFlops layer_forward_flops(const ModelSpec& m, int64_t b) {
   const double ffn = m.ffn(), attn_width = static_cast<double>(m.num_attention_heads) * m.head_dim();
   LayerFlops f;
   f.weights = 2 * tokens * (h * qkv + attn_width * h + h * ffn * (m.swiglu ? 2 : 1) + ffn * h);
-  f.attention = 2 * 2 * tokens * m.seq_length * attn_width;  // Q K^T and P V over the full (non-causal) square
+  // Q K^T and P V over the full (non-causal) square, or the documents' and windows' share of it.
+  f.attention = 2 * 2 * tokens * m.attention_keys_per_query() * attn_width;
   return f;
 }
 
@@ -368,7 +386,7 @@ LayerFlops moe_layer_forward_flops(const ModelSpec& m, int64_t b) {
   LayerFlops fl;
   // Attention as in a dense layer; the router [h, E] and the shared expert for every token.
   fl.weights = 2 * tokens * (h * qkv + attn_width * h + h * experts + h * shared * g + shared * h);
-  fl.attention = 2 * 2 * tokens * m.seq_length * attn_width;
+  fl.attention = 2 * 2 * tokens * m.attention_keys_per_query() * attn_width;
   fl.experts = 2 * tokens * static_cast<double>(m.moe_router_topk) * (h * f * g + f * h);  // k experts a token
   return fl;
 }

@@ -55,7 +55,7 @@ int64_t params_per_expert_shard(const ModelSpec& m, int64_t etp) {
   // fc1 column-parallel and fc2 row-parallel over ETP; fc2's bias is added after the
   // reduce-scatter, whole on every ETP rank.
   const int64_t h = m.hidden_size, shard = f / etp, fc1 = shard * (m.swiglu ? 2 : 1);
-  return h * fc1 + shard * h + (m.add_bias_linear ? fc1 + h : 0);
+  return h * fc1 + shard * h + (m.mlp_bias() ? fc1 + h : 0);
 }
 
 int64_t expert_params(const ModelSpec& m) { return num_moe_layers(m) * m.num_experts * params_per_expert(m); }
@@ -135,7 +135,7 @@ double moe_routed_activation_bytes(const ModelSpec& m, const Layout& l, double E
   // With biases each row's expert (int64) for fc2's bias, added to the rank's own R rows
   // (after the reduce-scatter under ETP); fc1's shares it at ETP 1 and has its own for the
   // gathered rows at ETP > 1.
-  if (m.add_bias_linear) bytes += 8 * (l.etp > 1 ? d.etp_rows + d.expert_rows : d.expert_rows);
+  if (m.mlp_bias()) bytes += 8 * (l.etp > 1 ? d.etp_rows + d.expert_rows : d.expert_rows);
   // At ETP > 1 the gathered rows come by ETP rank: an int64 order groups them by expert and
   // its inverse returns the partial outputs by rank.
   if (l.etp > 1) bytes += 16 * d.etp_rows;

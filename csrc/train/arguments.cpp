@@ -73,6 +73,7 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_option("--num-attention-heads", a.num_attention_heads);
   app.add_flag("--group-query-attention", a.group_query_attention);
   app.add_option("--num-query-groups", a.num_query_groups);
+  app.add_option("--kv-channels", a.kv_channels, "each attention head's channels (0: hidden size / heads)");
   app.add_option("--seq-length", a.seq_length);
   app.add_option("--max-position-embeddings", a.max_position_embeddings, "0: seq-length");
   app.add_option("--position-embedding-type", a.position_embedding_type)
@@ -82,6 +83,10 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   app.add_flag("--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights);
   app.add_flag("--disable-bias-linear", a.disable_bias_linear, "no biases on the linear layers (Llama, Mistral, Qwen2)");
   app.add_flag("--add-qkv-bias", a.add_qkv_bias, "biases on the QKV projection even with --disable-bias-linear (Qwen2)");
+  app.add_flag("--add-attention-bias", a.add_attention_bias,
+               "biases on q, k, v and the output projection even with --disable-bias-linear (HF attention_bias)");
+  app.add_flag("--add-mlp-bias", a.add_mlp_bias, "biases on the MLP even with --disable-bias-linear (HF mlp_bias)");
+  app.add_flag("--qk-layernorm", a.qk_layernorm, "normalise each query and key head before RoPE (Qwen3)");
   app.add_option("--rotary-base", a.rotary_base, "RoPE base (HF rope_theta)");
   app.add_option("--rotary-percent", a.rotary_percent, "fraction of each head's channels RoPE rotates");
   app.add_option("--rope-type", a.rope_type, "RoPE scaling: default, linear, dynamic, yarn or llama3 (HF's rope_type)");
@@ -167,6 +172,9 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   // Data
   app.add_option("--data-path", a.data_path, "[weight] prefix [weight prefix ...] of .bin/.idx datasets");
   app.add_option("--split", a.split, "train,valid,test weights");
+  app.add_flag("--reset-position-ids", a.reset_position_ids, "positions restart after each end-of-document token");
+  app.add_flag("--reset-attention-mask", a.reset_attention_mask, "attention stays inside each packed document");
+  app.add_flag("--eod-mask-loss", a.eod_mask_loss, "no loss on predicting the token after an end of document");
   // Checkpoints
   app.add_option("--save", a.save);
   app.add_option("--load", a.load);
@@ -233,6 +241,7 @@ void apply_checkpoint_args(TrainArguments& a, const nlohmann::json& model_config
   take_from_checkpoint(a, "group-query-attention", a.group_query_attention, gqa);
   int64_t groups = gqa ? c.query_groups() : 0;
   take_from_checkpoint(a, "num-query-groups", a.num_query_groups, groups);
+  take_from_checkpoint(a, "kv-channels", a.kv_channels, c.kv_channels());
   take_from_checkpoint(a, "vocab-size", a.vocab_size, c.vocab_size());
   take_from_checkpoint(a, "make-vocab-size-divisible-by", a.make_vocab_size_divisible_by, c.make_vocab_size_divisible_by());
   std::string norm = transformer::to_string(c.normalization()), pos = transformer::to_string(c.position_embedding_type());
@@ -244,6 +253,10 @@ void apply_checkpoint_args(TrainArguments& a, const nlohmann::json& model_config
   take_from_checkpoint(a, "untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights, untie);
   take_from_checkpoint(a, "disable-bias-linear", a.disable_bias_linear, no_bias);
   take_from_checkpoint(a, "add-qkv-bias", a.add_qkv_bias, qkv_bias);
+  bool attention_bias = c.add_attention_bias(), mlp_bias = c.add_mlp_bias(), qk_norm = c.qk_layernorm();
+  take_from_checkpoint(a, "add-attention-bias", a.add_attention_bias, attention_bias);
+  take_from_checkpoint(a, "add-mlp-bias", a.add_mlp_bias, mlp_bias);
+  take_from_checkpoint(a, "qk-layernorm", a.qk_layernorm, qk_norm);
   take_from_checkpoint(a, "norm-epsilon", a.norm_epsilon, c.norm_epsilon());
   take_from_checkpoint(a, "rotary-base", a.rotary_base, c.rotary_base());
   take_from_checkpoint(a, "rotary-percent", a.rotary_percent, c.rotary_percent());
@@ -256,6 +269,7 @@ void apply_checkpoint_args(TrainArguments& a, const nlohmann::json& model_config
     a.max_position_embeddings = c.max_positions();
   }
   a.sliding_window = c.sliding_window();
+  a.layer_types = c.layer_types();
   if (!a.given.count("seq-length")) a.seq_length = c.seq_length();
   // The experts' shapes and routing (a dense checkpoint says 0 experts).
   take_from_checkpoint(a, "num-experts", a.num_experts, c.num_experts());
@@ -524,6 +538,7 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .ffn_hidden_size(a.ffn_hidden_size)
       .num_attention_heads(a.num_attention_heads)
       .num_query_groups(a.group_query_attention ? a.num_query_groups : 0)
+      .kv_channels(a.kv_channels)
       .seq_length(a.seq_length)
       .max_position_embeddings(a.max_position_embeddings)
       .vocab_size(a.vocab_size)
@@ -535,7 +550,11 @@ transformer::TransformerConfig model_config(const TrainArguments& a) {
       .init_std(a.init_method_std)
       .add_bias_linear(!a.disable_bias_linear)
       .add_qkv_bias(a.add_qkv_bias)
+      .add_attention_bias(a.add_attention_bias)
+      .add_mlp_bias(a.add_mlp_bias)
+      .qk_layernorm(a.qk_layernorm)
       .sliding_window(a.sliding_window)
+      .layer_types(a.layer_types)
       .normalization(parse_normalization(a.normalization))
       .activation(a.swiglu ? Activation::kSwiGLU : Activation::kGeluTanh)
       .position_embedding_type(parse_positions(a.position_embedding_type))

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include "megatorch/check.h"
+#include "megatorch/tp/cross_entropy.h"
+#include "megatorch/transformer/packed_sequence.h"
 
 namespace megatorch::train {
 
@@ -16,6 +18,9 @@ MicroBatchLoader::MicroBatchLoader(const data::SampleDataset& dataset, MicroBatc
                   "and 0 <= data_parallel_rank < data_parallel_size; got ",
                   o.micro_batch_size(), ", ", o.num_micro_batches(), ", ", o.data_parallel_size(), ", ", o.seq_length(),
                   " and rank ", o.data_parallel_rank());
+  MEGATORCH_CHECK(o.eod() >= 0 || !(o.reset_position_ids() || o.reset_attention_mask() || o.eod_mask_loss()),
+                  "MicroBatchLoader: --reset-position-ids, --reset-attention-mask and --eod-mask-loss split documents "
+                  "at the end-of-document token, but none was given (eod ", o.eod(), "); use a tokenizer with one");
 }
 
 MicroBatchLoader::~MicroBatchLoader() {
@@ -43,6 +48,13 @@ std::vector<pipeline::MicroBatch> MicroBatchLoader::read_host(int64_t first_samp
     pipeline::MicroBatch mb{at::empty({b, s}, host), at::empty({b, s}, host), {}};
     mb.ids.copy_(tokens.narrow(1, 0, s));
     mb.labels.copy_(tokens.narrow(1, 1, s));
+    // Megatron's loss mask: the token after an EOD (the next document's first) is not
+    // predicted from the EOD.
+    if (options_.eod_mask_loss()) mb.labels.masked_fill_(mb.ids == options_.eod(), tp::kIgnoreIndex);
+    const auto packed = transformer::pack_documents(mb.ids, options_.eod(), options_.reset_position_ids(),
+                                                    options_.reset_attention_mask());
+    if (packed.position_ids.defined()) mb.tensors["position_ids"] = packed.position_ids;
+    if (packed.document_ids.defined()) mb.tensors["document_ids"] = packed.document_ids;
     out.push_back(std::move(mb));
   }
   return out;
@@ -53,10 +65,7 @@ std::vector<pipeline::MicroBatch> MicroBatchLoader::to_device(std::vector<pipeli
   // From pinned memory the copies are asynchronous on the current stream, ordered before
   // the kernels that read them; the caching host allocator keeps the pinned blocks until
   // the copies are done.
-  for (auto& mb : host) {
-    mb.ids = mb.ids.to(options_.device(), /*non_blocking=*/true);
-    mb.labels = mb.labels.to(options_.device(), /*non_blocking=*/true);
-  }
+  for (auto& mb : host) mb = mb.to(options_.device(), /*non_blocking=*/true);
   return host;
 }
 

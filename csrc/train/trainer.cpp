@@ -19,6 +19,7 @@ nlohmann::json load_comparison(const transformer::TransformerConfig& c) {
   nlohmann::json j = ckpt::gpt_shape_json(c);
   const nlohmann::json all = ckpt::gpt_config_json(c);
   for (const char* key : {"norm_epsilon", "sliding_window"}) j[key] = all.at(key);
+  j["layer_types"] = all.value("layer_types", nlohmann::json::array());
   if (c.position_embedding_type() == transformer::Positions::kRope) {
     for (const char* key : {"rotary_base", "rotary_percent", "rope_scaling"}) j[key] = all.at(key);
   }
@@ -83,7 +84,7 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
   double idle = 0;
   if (c.num_experts() > 0) {
     const double g = c.activation() == transformer::Activation::kSwiGLU ? 2.0 : 1.0;
-    const double bias = c.add_bias_linear() ? g * c.moe_ffn() + c.hidden_size() : 0.0;
+    const double bias = c.mlp_bias() ? g * c.moe_ffn() + c.hidden_size() : 0.0;
     const double expert = (g + 1.0) * c.hidden_size() * c.moe_ffn() + bias;
     for (int64_t l = 0; l < c.num_layers(); ++l) {
       if (c.is_moe_layer(l)) idle += static_cast<double>(c.num_experts() - c.moe_router_topk()) * expert;
@@ -116,6 +117,7 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
     // Not a shape (loading does not compare it) but a property of the model: a Mistral's
     // window bounds the sequences it may train on (validate() refuses longer ones).
     args_.sliding_window = saved.value("sliding_window", int64_t{0});
+    args_.layer_types = saved.value("layer_types", std::vector<std::string>{});
     // RoPE's max positions size no parameter; kept so an export writes the model's own.
     if (saved.value("position_embedding_type", "") == "rope" && !args_.given.count("max-position-embeddings")) {
       args_.max_position_embeddings = std::max(saved.value("max_positions", int64_t{0}), args_.seq_length);
@@ -192,7 +194,11 @@ MicroBatchLoaderOptions Trainer::loader_options() const {
       .data_parallel_size(args_.data_parallel_size)
       .data_parallel_rank(loop_->dp_rank())
       .seq_length(args_.seq_length)
-      .device(loop_->device());
+      .device(loop_->device())
+      .eod(eod_)
+      .reset_position_ids(args_.reset_position_ids)
+      .reset_attention_mask(args_.reset_attention_mask)
+      .eod_mask_loss(args_.eod_mask_loss);
 }
 
 IterationStats Trainer::train_step() {

@@ -5,8 +5,10 @@
 #include <cmath>
 
 #include "megatorch/check.h"
+#include "megatorch/comm/mappings.h"
 #include "megatorch/kernels/rotary.h"
 #include "megatorch/transformer/attention_dropout.h"
+#include "megatorch/transformer/attention_mask.h"
 #include "megatorch/transformer/context_parallel.h"
 #include "megatorch/transformer/recompute.h"
 
@@ -44,12 +46,13 @@ void ParallelAttentionImpl::reset() {
                       .attention_scaling;
   }
   local_groups = c.query_groups() / tp;
+  window = c.attention_window(options.layer_number());
   const int64_t d = c.head_dim();
   // The fused QKV weight is laid out group by group — [q heads of the group, k, v] —
   // so a contiguous slice of its rows holds whole key/value groups with their queries.
   const int64_t qkv_out = (c.num_attention_heads() + 2 * c.query_groups()) * d;
   qkv = register_module("qkv", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden_size(), qkv_out)
-                                                              .bias(c.add_bias_linear() || c.add_qkv_bias())
+                                                              .bias(c.qkv_bias())
                                                               .sequence_parallel(c.sequence_parallel())
                                                               .group(options.group())
                                                               .fp8(c.fp8())
@@ -57,21 +60,32 @@ void ParallelAttentionImpl::reset() {
                                                               .init(param_init(c, options.name() + ".qkv"))));
   proj = register_module("proj", tp::RowParallelLinear(tp::RowParallelLinearOptions(c.num_attention_heads() * d,
                                                                                      c.hidden_size())
-                                                           .bias(c.add_bias_linear())
+                                                           .bias(c.proj_bias())
                                                            .input_is_parallel(true)
                                                            .sequence_parallel(c.sequence_parallel())
                                                            .group(options.group())
                                                            .fp8(c.fp8())
                                                            .fp8_sequence_group(c.context_parallel_group())
                                                            .init(param_init(c, options.name() + ".proj"))));
+  if (c.qk_layernorm()) {
+    // Each TP rank's heads, whole sequences: the gradient is summed in autograd (norm_heads).
+    Norm q = make_norm(c, d), k = make_norm(c, d);
+    q->options.partial_grad_under_sp(false);
+    k->options.partial_grad_under_sp(false);
+    q_norm = register_module("q_norm", q);
+    k_norm = register_module("k_norm", k);
+  }
 }
 
-at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const Documents& documents) {
   const auto& c = options.config();
   // SDPA wants [b, heads, s, d].
   const at::Tensor qb = q.permute({1, 2, 0, 3}), kb = k.permute({1, 2, 0, 3}), vb = v.permute({1, 2, 0, 3});
   const double p = is_training() ? c.attention_dropout() : 0.0;
   at::Tensor out;
+  MEGATORCH_CHECK(!documents || c.causal_attention(), "ParallelAttention: packed documents need causal attention, "
+                  "got causal_attention(false); drop --reset-attention-mask or build the model causal");
   if (!c.context_parallel_group().empty()) {
     // The sequence is split over the CP group: attention crosses it (context_parallel.h).
     // Dropout is keyed by position and global head (attention_dropout.h), its key drawn
@@ -79,7 +93,9 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
     auto cp = ContextParallelAttentionOptions(c.context_parallel_group())
                   .comm_type(c.cp_comm_type())
                   .causal(c.causal_attention())
-                  .scale(1.0 / std::sqrt(static_cast<double>(c.head_dim())));
+                  .scale(1.0 / std::sqrt(static_cast<double>(c.head_dim())))
+                  .documents(documents)
+                  .window(window);
     if (p > 0) {
       cp.dropout(p)
           .dropout_key(draw_attention_dropout_key(qb.device()))
@@ -90,17 +106,30 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
     // Each TP rank holds other heads: its attention dropout draws from its own stream.
     c10::optional<tp::RngTracker::Fork> fork;
     if (p > 0 && options.rng()) fork.emplace(*options.rng(), tp::kModelParallelRng);
-    out = at::scaled_dot_product_attention(qb, kb, vb, c10::nullopt, p, /*is_causal=*/c.causal_attention(),
-                                           1.0 / std::sqrt(static_cast<double>(c.head_dim())),
-                                           /*enable_gqa=*/local_groups != local_heads);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim()));
+    if (documents) {
+      out = document_causal_attention(qb, kb, vb, documents->runs, p, scale, window);
+    } else {
+      // A window shorter than the sequence cuts the causal prefix: an explicit mask.
+      const int64_t s = qb.size(2);
+      c10::optional<at::Tensor> mask;
+      if (window > 0 && window < s && c.causal_attention()) {
+        const at::Tensor pos = at::arange(s, at::TensorOptions().dtype(at::kLong).device(qb.device()));
+        mask = causal_window_mask(pos, pos, window);
+      }
+      out = at::scaled_dot_product_attention(qb, kb, vb, mask, p, /*is_causal=*/c.causal_attention() && !mask, scale,
+                                             /*enable_gqa=*/local_groups != local_heads);
+    }
   }
   const int64_t b = out.size(0), s = out.size(2);
   return out.permute({2, 0, 1, 3}).reshape({s, b, local_heads * c.head_dim()});
 }
 
 at::Tensor ParallelAttentionImpl::rotate(const at::Tensor& x, const at::Tensor& rope_freqs) const {
-  const at::Tensor out = options.config().fused_kernels() ? kernels::rotary_embedding(x, rope_freqs)
-                                                          : apply_rope(x, rope_freqs);
+  // The fused kernel takes one angle table for every row ([s, 1, 1, r]).
+  const at::Tensor out = options.config().fused_kernels() && rope_freqs.size(1) == 1
+                             ? kernels::rotary_embedding(x, rope_freqs)
+                             : apply_rope(x, rope_freqs);
   if (rope_scale_ == 1.0) return out;
   // YaRN scales cos and sin, so the rotated channels alone (HF's attention_scaling).
   const int64_t r = rope_freqs.size(-1), d = out.size(-1);
@@ -114,29 +143,48 @@ std::array<at::Tensor, 3> ParallelAttentionImpl::split_qkv(const at::Tensor& mix
   return {parts[0].reshape({s, b, local_heads, d}), parts[1].squeeze(3), parts[2].squeeze(3)};
 }
 
-at::Tensor ParallelAttentionImpl::context(const at::Tensor& x, const at::Tensor& rope_freqs) {
-  const auto& c = options.config();
+at::Tensor ParallelAttentionImpl::norm_heads(Norm& norm, const at::Tensor& x) const {
+  const std::string& group = options.group();
+  if (tp::tp_info(group).size == 1) return norm->forward(x);
+  const auto shared = [&group](const at::Tensor& t) { return t.defined() ? comm::copy_to_tp_region(t, group) : t; };
+  return norm->forward(x, shared(norm->weight), shared(norm->bias));
+}
+
+std::array<at::Tensor, 3> ParallelAttentionImpl::project_qkv(const at::Tensor& x, const at::Tensor& rope_freqs) {
   auto [q, k, v] = split_qkv(qkv->forward(x));
+  if (q_norm) {
+    q = norm_heads(q_norm, q);
+    k = norm_heads(k_norm, k);
+  }
   if (rope_freqs.defined()) {
     q = rotate(q, rope_freqs);
     k = rotate(k, rope_freqs);
   }
+  return {q, k, v};
+}
+
+at::Tensor ParallelAttentionImpl::context(const at::Tensor& x, const at::Tensor& rope_freqs,
+                                          const Documents& documents) {
+  const auto& c = options.config();
+  auto [q, k, v] = project_qkv(x, rope_freqs);
   if (c.recompute() == Recompute::kSelective && is_training()) {
     // Selective recomputation: keep q, k, v; replay softmax, dropout and the products.
-    return recompute([this](const torch::autograd::variable_list& in) {
-             return torch::autograd::variable_list{core_attention(in[0], in[1], in[2])};
+    return recompute([this, documents](const torch::autograd::variable_list& in) {
+             return torch::autograd::variable_list{core_attention(in[0], in[1], in[2], documents)};
            },
            {q, k, v}, options.rng().get())[0];
   }
-  return core_attention(q, k, v);
+  return core_attention(q, k, v, documents);
 }
 
-at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
-  return proj->forward(context(x, rope_freqs));
+at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs,
+                                          const Documents& documents) {
+  return proj->forward(context(x, rope_freqs, documents));
 }
 
-at::Tensor ParallelAttentionImpl::forward_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs) {
-  return proj->forward_without_bias(context(x, rope_freqs));
+at::Tensor ParallelAttentionImpl::forward_without_bias(const at::Tensor& x, const at::Tensor& rope_freqs,
+                                                       const Documents& documents) {
+  return proj->forward_without_bias(context(x, rope_freqs, documents));
 }
 
 }  // namespace megatorch::transformer

@@ -69,7 +69,7 @@ at::Tensor attention_dropout_keep(const at::Tensor& key, int64_t batch, const at
 at::Tensor keyed_dropout_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& q_positions, const at::Tensor& k_positions,
                                    const at::Tensor& heads, const at::Tensor& key, double p, bool causal,
-                                   double scale) {
+                                   double scale, const at::Tensor& visible) {
   MEGATORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(1) >= 1 &&
                       q.size(1) % k.size(1) == 0 && q.size(2) == q_positions.numel() &&
                       k.size(2) == k_positions.numel() && q.size(1) == heads.numel(),
@@ -81,7 +81,9 @@ at::Tensor keyed_dropout_attention(const at::Tensor& q, const at::Tensor& k, con
   const int64_t repeat = q.size(1) / k.size(1);
   const at::Tensor kf = k.to(acc).repeat_interleave(repeat, 1), vf = v.to(acc).repeat_interleave(repeat, 1);
   at::Tensor scores = at::matmul(q.to(acc), kf.transpose(-2, -1)) * scale;
-  if (causal) {
+  if (visible.defined()) {
+    scores = scores.masked_fill(visible.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
+  } else if (causal) {
     const at::Tensor later = k_positions.to(q.device()).unsqueeze(0) > q_positions.to(q.device()).unsqueeze(1);
     scores = scores.masked_fill(later, -std::numeric_limits<double>::infinity());
   }

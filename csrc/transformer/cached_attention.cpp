@@ -6,8 +6,8 @@
 #include <cmath>
 
 #include "megatorch/check.h"
-#include "megatorch/kernels/rotary.h"
 #include "megatorch/transformer/attention.h"
+#include "megatorch/transformer/attention_mask.h"
 
 namespace megatorch::transformer {
 
@@ -24,19 +24,14 @@ at::Tensor ParallelAttentionImpl::forward_cached_without_bias(const at::Tensor& 
                   "without sequence parallelism (each step has too few tokens to split); build the model with "
                   "sequence_parallel(false)");
   const int64_t d = c.head_dim();
-  const at::Tensor mixed = qkv->forward(x);  // [s, b, groups*(per_group+2)*d]
-  const int64_t s = mixed.size(0), b = mixed.size(1);
+  const int64_t s = x.size(0), b = x.size(1);
   const int64_t start = cache.length, end = start + s;
   MEGATORCH_CHECK(cache.k.defined() && cache.k.size(1) == b && cache.k.size(2) == local_groups && cache.k.size(3) == d,
                   "ParallelAttention: expected a KV cache [len, ", b, ", ", local_groups, ", ", d, "], got ",
                   cache.k.defined() ? cache.k.sizes() : at::IntArrayRef{}, "; make it with inference::make_kv_caches");
   MEGATORCH_CHECK(end <= cache.capacity(), "ParallelAttention: the KV cache holds ", cache.capacity(),
                   " positions, ", start, " used, and ", s, " more were given; make it for the longest sequence");
-  auto [q, k, v] = split_qkv(mixed);
-  if (rope_freqs.defined()) {
-    q = rotate(q, rope_freqs);
-    k = rotate(k, rope_freqs);
-  }
+  auto [q, k, v] = project_qkv(x, rope_freqs);
   cache.k.narrow(0, start, s).copy_(k);
   cache.v.narrow(0, start, s).copy_(v);
   cache.length = end;
@@ -44,13 +39,15 @@ at::Tensor ParallelAttentionImpl::forward_cached_without_bias(const at::Tensor& 
   const at::Tensor qb = q.permute({1, 2, 0, 3});
   const at::Tensor kb = cache.k.narrow(0, 0, end).permute({1, 2, 0, 3});
   const at::Tensor vb = cache.v.narrow(0, 0, end).permute({1, 2, 0, 3});
-  // New token i sits at position start + i and sees keys 0..start + i. SDPA's is_causal
-  // aligns the mask top-left, right only when nothing is cached; one new token sees all.
+  // New token i sits at position start + i and sees keys 0..start + i (the last `window`
+  // of them with a sliding window). SDPA's is_causal aligns the mask top-left, right only
+  // when nothing is cached; one new token sees all, unless the window cuts the cache.
   c10::optional<at::Tensor> mask;
-  const bool causal = start == 0 && s > 1;
-  if (start > 0 && s > 1) {
+  const bool windowed = window > 0 && end > window;
+  const bool causal = start == 0 && s > 1 && !windowed;
+  if ((start > 0 && s > 1) || windowed) {
     const auto opts = at::TensorOptions().dtype(at::kLong).device(x.device());
-    mask = at::arange(end, opts).unsqueeze(0) <= (at::arange(s, opts) + start).unsqueeze(1);  // [s, end]
+    mask = causal_window_mask(at::arange(start, end, opts), at::arange(end, opts), window);  // [s, end]
   }
   const at::Tensor out = at::scaled_dot_product_attention(qb, kb, vb, mask, 0.0, causal,
                                                           1.0 / std::sqrt(static_cast<double>(d)),

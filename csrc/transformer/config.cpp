@@ -13,6 +13,14 @@ int64_t TransformerConfig::ffn() const {
   return 4 * hidden_size_;
 }
 
+int64_t TransformerConfig::attention_window(int64_t layer) const {
+  if (sliding_window_ == 0) return 0;
+  if (layer_types_.empty()) return sliding_window_;
+  MEGATORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layer_types_.size()), "attention_window: expected a layer "
+                  "in [0, ", layer_types_.size(), "), got ", layer);
+  return layer_types_[layer] == "sliding_attention" ? sliding_window_ : 0;
+}
+
 void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep, int64_t etp) const {
   const int64_t heads = num_attention_heads_, groups = query_groups();
   MEGATORCH_CHECK(tp >= 1, "expected a tensor-parallel size >= 1 to validate against, got ", tp);
@@ -37,8 +45,10 @@ void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep, int64_t etp
                   "expected num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 >= 0, got ",
                   num_layers_at_start_in_bf16_, " and ", num_layers_at_end_in_bf16_);
   if (fp8_.enabled()) fp8_.validate("TransformerConfig");
-  MEGATORCH_CHECK(hidden_size_ % heads == 0, "expected hidden_size (", hidden_size_,
-                  ") to be divisible by num_attention_heads (", heads, ")");
+  MEGATORCH_CHECK(kv_channels_ >= 0, "expected kv_channels >= 0 (0: hidden_size / num_attention_heads), got ",
+                  kv_channels_);
+  MEGATORCH_CHECK(kv_channels_ > 0 || hidden_size_ % heads == 0, "expected hidden_size (", hidden_size_,
+                  ") to be divisible by num_attention_heads (", heads, "), or kv_channels (--kv-channels) set");
   MEGATORCH_CHECK(heads % groups == 0, "expected num_attention_heads (", heads,
                   ") to be divisible by num_query_groups (", groups, ")");
   MEGATORCH_CHECK(heads % tp == 0, "expected num_attention_heads (", heads,
@@ -56,10 +66,14 @@ void TransformerConfig::validate(int64_t tp, int64_t cp, int64_t ep, int64_t etp
   MEGATORCH_CHECK(max_positions() >= seq_length_, "expected max_position_embeddings (", max_positions(),
                   ") >= seq_length (", seq_length_, ")");
   MEGATORCH_CHECK(sliding_window_ >= 0, "expected sliding_window >= 0 (0: no window), got ", sliding_window_);
-  MEGATORCH_CHECK(sliding_window_ == 0 || sliding_window_ >= seq_length_, "expected sliding_window (",
-                  sliding_window_, ") >= seq_length (", seq_length_,
-                  "): megatorch attends over the whole causal prefix and has no sliding-window attention; "
-                  "use a --seq-length <= ", sliding_window_, " (the window)");
+  if (!layer_types_.empty()) {
+    MEGATORCH_CHECK(static_cast<int64_t>(layer_types_.size()) == num_layers_, "expected layer_types to name each of the ",
+                    num_layers_, " layers, got ", layer_types_.size(), " entries");
+    for (const auto& t : layer_types_) {
+      MEGATORCH_CHECK(t == "sliding_attention" || t == "full_attention",
+                      "expected each of layer_types to be 'sliding_attention' or 'full_attention', got '", t, "'");
+    }
+  }
   if (position_embedding_type_ == Positions::kRope) {
     MEGATORCH_CHECK(rotary_percent_ > 0 && rotary_percent_ <= 1 && rotary_dim() >= 2 && rotary_dim() % 2 == 0,
                     "expected --rotary-percent in (0, 1] giving an even number of rotary channels >= 2, got ",

@@ -104,6 +104,13 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
   MEGATORCH_CHECK(c == 1 || q.size(2) % 2 == 0, what, ": expected an even local sequence (two chunks of L tokens "
                   "each, context_parallel_slice), got ", q.size(2), " tokens on a CP group of ", c,
                   " ranks; slice the sequence with context_parallel_slice");
+  const auto& documents = options.documents();
+  MEGATORCH_CHECK(!documents || (documents->ids.dim() == 2 && documents->ids.size(0) == q.size(0) &&
+                                 documents->ids.size(1) == q.size(2) * c),
+                  what, ": expected document ids [b, S] over the whole sequence, [", q.size(0), ", ", q.size(2) * c,
+                  "], got ", documents ? documents->ids.sizes() : at::IntArrayRef{},
+                  "; pass the micro-batch's unsliced document_ids");
+  MEGATORCH_CHECK(options.window() >= 0, what, ": expected a window >= 0 (0: none), got ", options.window());
   if (options.comm_type() == CpCommType::kA2A) {
     const int64_t heads = q.size(1), groups = k.size(1);
     MEGATORCH_CHECK(heads % c == 0 && groups % c == 0, "Ulysses (--cp-comm-type a2a) splits the heads over the ",

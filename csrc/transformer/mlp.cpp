@@ -18,12 +18,12 @@ void ParallelMLPImpl::reset() {
   const auto& c = options.config();
   const bool glu = c.activation() == Activation::kSwiGLU;
   // Fused GeLU takes fc1's bias into its kernel; SwiGLU's bias stays in the linear.
-  const bool fused_bias = c.fused_kernels() && !glu && c.add_bias_linear();
+  const bool fused_bias = c.fused_kernels() && !glu && c.mlp_bias();
   // SwiGLU's fused [gate; up] weight is sharded block by block (parts = 2), so each
   // rank's shard is [its gate rows; its up rows] and the local chunk(2) pairs them.
   fc1 = register_module("fc1", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden_size(),
                                                                                          c.ffn() * (glu ? 2 : 1))
-                                                            .bias(c.add_bias_linear())
+                                                            .bias(c.mlp_bias())
                                                             .skip_bias_add(fused_bias)
                                                             .sequence_parallel(c.sequence_parallel())
                                                             .parts(glu ? 2 : 1)
@@ -32,7 +32,7 @@ void ParallelMLPImpl::reset() {
                                                             .fp8_sequence_group(c.context_parallel_group())
                                                             .init(param_init(c, options.name() + ".fc1"))));
   fc2 = register_module("fc2", tp::RowParallelLinear(tp::RowParallelLinearOptions(c.ffn(), c.hidden_size())
-                                                         .bias(c.add_bias_linear())
+                                                         .bias(c.mlp_bias())
                                                          .input_is_parallel(true)
                                                          .sequence_parallel(c.sequence_parallel())
                                                          .group(options.group())

@@ -34,20 +34,32 @@ void NormImpl::pretty_print(std::ostream& stream) const {
          << ", eps=" << options.eps() << (options.fused() ? ", fused" : "") << ")";
 }
 
-at::Tensor NormImpl::forward(const at::Tensor& x) {
+at::Tensor NormImpl::forward(const at::Tensor& x) { return forward(x, weight, bias); }
+
+at::Tensor NormImpl::forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const bool rms = options.kind() == Normalization::kRMSNorm;
   if (options.fused()) {
-    return rms ? kernels::rms_norm(x, weight, options.eps())
-               : kernels::layer_norm(x, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+    return rms ? kernels::rms_norm(x, w, options.eps())
+               : kernels::layer_norm(x, w, b.defined() ? c10::optional<at::Tensor>(b) : c10::nullopt,
                                      options.eps());
   }
-  if (rms) return rms_norm(x, weight, options.eps());
+  if (rms) return rms_norm(x, w, options.eps());
   // at::layer_norm accumulates in fp32 for reduced-precision inputs on CPU and CUDA.
-  return at::layer_norm(x, {options.hidden()}, weight, bias, options.eps());
+  return at::layer_norm(x, {options.hidden()}, w, b, options.eps());
 }
 
-Norm make_norm(const TransformerConfig& c) {
-  return Norm(NormOptions(c.hidden_size())
+std::map<std::string, tp::ParameterLayout> NormImpl::parameter_layouts() const {
+  std::map<std::string, tp::ParameterLayout> out;
+  if (options.partial_grad_under_sp()) return out;
+  out["weight"] = tp::replicated_layout(weight, /*partial_grad=*/false);
+  if (bias.defined()) out["bias"] = tp::replicated_layout(bias, /*partial_grad=*/false);
+  return out;
+}
+
+Norm make_norm(const TransformerConfig& c) { return make_norm(c, c.hidden_size()); }
+
+Norm make_norm(const TransformerConfig& c, int64_t size) {
+  return Norm(NormOptions(size)
                   .fused(c.fused_kernels())
                   .kind(c.normalization())
                   .eps(c.norm_epsilon())

@@ -22,6 +22,11 @@
 // asks. Backward: dV = (P∘D)ᵀdO and dS = P∘(D∘dO·Vᵀ − rowsum(dO∘O)), the same row sum as
 // without dropout (O already carries D), so only the mask, recomputed from the key, is
 // new. Steps with dropout run the math kernel.
+//
+// Packed documents and sliding windows (Visibility): each step masks its (query, key)
+// pairs by their global positions and the documents' ids there, on the math kernel. A row
+// may see nothing of a block (another document): its step output is 0 and its log-sum-exp
+// -inf, which the merge leaves out; the own block always holds the query itself.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
@@ -32,6 +37,7 @@
 #include "context_parallel_internal.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/transformer/attention_dropout.h"
+#include "megatorch/transformer/attention_mask.h"
 
 namespace megatorch::transformer::detail {
 namespace {
@@ -100,16 +106,46 @@ struct Dropout {
   }
 };
 
-// The key as a plain argument: autograd's apply would otherwise take it for an input (and
-// reject it undefined, without dropout).
-struct DropoutKey {
-  at::Tensor key;
+// A tensor as a plain argument (the dropout key, the document ids): autograd's apply would
+// otherwise take it for an input (and reject it undefined).
+struct PlainTensor {
+  at::Tensor tensor;
 };
+
+// Which (query, key) pairs of a step are visible beyond the step's causal shape: packed
+// documents (their ids [b, S] over the whole sequence) and a sliding window.
+struct Visibility {
+  at::Tensor documents;
+  int64_t window = 0;
+  at::Tensor q_positions;
+  int64_t seq = 0, cp = 1;
+
+  bool active() const { return documents.defined() || (window > 0 && window < seq); }
+  // Step `s`'s mask [b or 1, 1, q_len, k_len] (true: visible); undefined when not active.
+  at::Tensor mask(const StepShape& s, int64_t owner, bool causal) const {
+    if (!active()) return {};
+    const at::Tensor k_positions = context_parallel_positions(seq, cp, owner, q_positions.device());
+    return visible_keys(q_positions.narrow(0, s.q_begin, s.q_len), k_positions.narrow(0, s.k_begin, s.k_len), causal,
+                        window, documents)
+        .unsqueeze(1);
+  }
+};
+
+Visibility visibility_of(const at::Tensor& documents, int64_t window, const at::Tensor& q, int64_t c, int64_t r) {
+  Visibility v;
+  v.documents = documents;
+  v.window = window;
+  v.seq = q.size(2) * c;
+  v.cp = c;
+  if (!v.active()) return v;
+  v.q_positions = context_parallel_positions(v.seq, c, r, q.device());
+  return v;
+}
 
 enum class Kernel { kMath, kFlashCpu, kFlashCuda };
 
-Kernel pick_kernel(const at::Tensor& q, bool use_sdpa, double dropout) {
-  if (!use_sdpa || dropout > 0) return Kernel::kMath;  // the fused kernels take no external mask
+Kernel pick_kernel(const at::Tensor& q, bool use_sdpa, double dropout, bool masked) {
+  if (!use_sdpa || dropout > 0 || masked) return Kernel::kMath;  // the fused kernels take no external mask
   const auto t = q.scalar_type();
   const bool half = t == at::kHalf || t == at::kBFloat16;
   if (q.is_cpu() && (half || t == at::kFloat || t == at::kDouble)) return Kernel::kFlashCpu;
@@ -118,10 +154,11 @@ Kernel pick_kernel(const at::Tensor& q, bool use_sdpa, double dropout) {
 }
 
 // One step's attention: its output (any float dtype) and log-sum-exp (accumulation dtype).
-// `keep`: the step's scaled keep mask (math kernel only), undefined without dropout.
+// `keep`: the step's scaled keep mask (math kernel only), undefined without dropout;
+// `visible`: its pair mask (Visibility, math kernel only), which replaces the causal one.
 std::tuple<at::Tensor, at::Tensor> step_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, bool causal, double scale,
-                                                const at::Tensor& keep) {
+                                                const at::Tensor& keep, const at::Tensor& visible) {
   switch (kernel) {
     case Kernel::kFlashCpu:
       return at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
@@ -134,9 +171,15 @@ std::tuple<at::Tensor, at::Tensor> step_forward(Kernel kernel, const at::Tensor&
   }
   const auto acc = acc_type(q.scalar_type());
   at::Tensor s = at::matmul(q.to(acc), k.to(acc).transpose(-2, -1)).mul_(scale);
-  if (causal) s.masked_fill_(causal_mask(s.size(-1), s), -std::numeric_limits<double>::infinity());
+  const double inf = std::numeric_limits<double>::infinity();
+  if (visible.defined()) {
+    s.masked_fill_(visible.logical_not(), -inf);
+  } else if (causal) {
+    s.masked_fill_(causal_mask(s.size(-1), s), -inf);
+  }
   at::Tensor lse = at::logsumexp(s, -1);
   at::Tensor probs = s.sub_(lse.unsqueeze(-1)).exp_();
+  if (visible.defined()) probs.masked_fill_(visible.logical_not(), 0.0);  // rows that see nothing: 0, not NaN
   if (keep.defined()) probs.mul_(keep);
   return {at::matmul(probs, v.to(acc)), lse};
 }
@@ -147,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step_backward(Kernel kernel, cons
                                                              const at::Tensor& k, const at::Tensor& v,
                                                              const at::Tensor& out, const at::Tensor& lse,
                                                              const at::Tensor& delta, bool causal, double scale,
-                                                             const at::Tensor& keep) {
+                                                             const at::Tensor& keep, const at::Tensor& visible) {
   switch (kernel) {
     case Kernel::kFlashCpu:
       return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
@@ -165,7 +208,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step_backward(Kernel kernel, cons
   const auto acc = acc_type(q.scalar_type());
   const at::Tensor qf = q.to(acc), kf = k.to(acc), vf = v.to(acc), dof = dout.to(acc);
   at::Tensor p = at::matmul(qf, kf.transpose(-2, -1)).mul_(scale).sub_(lse.unsqueeze(-1)).exp_();
-  if (causal) p.masked_fill_(causal_mask(p.size(-1), p), 0.0);
+  if (visible.defined()) {
+    p.masked_fill_(visible.logical_not(), 0.0);
+  } else if (causal) {
+    p.masked_fill_(causal_mask(p.size(-1), p), 0.0);
+  }
   at::Tensor dv = at::matmul((keep.defined() ? p * keep : p).transpose(-2, -1), dof);
   at::Tensor dp = at::matmul(dof, vf.transpose(-2, -1));
   if (keep.defined()) dp.mul_(keep);
@@ -194,12 +241,13 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::string& group, bool causal, double scale, bool use_sdpa, double dropout,
-                            DropoutKey dropout_key, int64_t head_offset) {
+                            PlainTensor dropout_key, int64_t head_offset, PlainTensor documents, int64_t window) {
     comm::Group g(group);
     const int64_t c = g.size(), r = g.rank(), n = q.size(2), heads = q.size(1);
     const auto acc = acc_type(q.scalar_type());
-    const Kernel kernel = pick_kernel(q, use_sdpa, dropout);
-    const Dropout drop = dropout_of(dropout, dropout_key.key, head_offset, q, c, r);
+    const Visibility vis = visibility_of(documents.tensor, window, q, c, r);
+    const Kernel kernel = pick_kernel(q, use_sdpa, dropout, vis.active());
+    const Dropout drop = dropout_of(dropout, dropout_key.tensor, head_offset, q, c, r);
     at::Tensor held = at::stack({k, v});  // K and V travel as one message
     at::Tensor out, lse;                  // accumulation dtype: [b, heads, 2L, d], [b, heads, 2L]
     int64_t pairs = 0;
@@ -215,7 +263,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       auto [o, l] = step_forward(kernel, q.narrow(2, s.q_begin, s.q_len),
                                  expand_heads(held[0].narrow(2, s.k_begin, s.k_len), heads),
                                  expand_heads(held[1].narrow(2, s.k_begin, s.k_len), heads), s.causal, scale,
-                                 drop.scaled_keep(s, owner, q.size(0), acc));
+                                 drop.scaled_keep(s, owner, q.size(0), acc), vis.mask(s, owner, causal));
       pairs += unmasked_pairs(s);
       if (i == 0) {  // covers every row (the diagonal, or everything when not causal)
         out = o.to(acc).contiguous();
@@ -236,13 +284,15 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     count_attention_call(pairs);
     at::Tensor result = out.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, result, lse});
-    if (dropout > 0) ctx->saved_data["dropout_key"] = dropout_key.key;
+    if (dropout > 0) ctx->saved_data["dropout_key"] = dropout_key.tensor;
     ctx->saved_data["group"] = group;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["use_sdpa"] = use_sdpa;
     ctx->saved_data["dropout"] = dropout;
     ctx->saved_data["head_offset"] = head_offset;
+    if (documents.tensor.defined()) ctx->saved_data["documents"] = documents.tensor;
+    ctx->saved_data["window"] = window;
     return result;
   }
 
@@ -250,14 +300,17 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const at::Tensor& dout = grads[0];
-    variable_list result(10);  // q, k, v, then the seven other arguments
+    variable_list result(12);  // q, k, v, then the nine other arguments
     if (!dout.defined()) return result;
     comm::Group g(ctx->saved_data["group"].toStringRef());
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
     const double dropout = ctx->saved_data["dropout"].toDouble();
-    const Kernel kernel = pick_kernel(q, ctx->saved_data["use_sdpa"].toBool(), dropout);
     const int64_t c = g.size(), r = g.rank(), n = q.size(2), heads = q.size(1), groups = k.size(1);
+    const auto documents = ctx->saved_data.find("documents");
+    const Visibility vis = visibility_of(documents == ctx->saved_data.end() ? at::Tensor() : documents->second.toTensor(),
+                                         ctx->saved_data["window"].toInt(), q, c, r);
+    const Kernel kernel = pick_kernel(q, ctx->saved_data["use_sdpa"].toBool(), dropout, vis.active());
     const Dropout drop = dropout_of(dropout, dropout > 0 ? ctx->saved_data["dropout_key"].toTensor() : at::Tensor(),
                                     ctx->saved_data["head_offset"].toInt(), q, c, r);
     const int64_t prev = (r + c - 1) % c, next_rank = (r + 1) % c;
@@ -294,7 +347,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
           expand_heads(kv[0].narrow(2, s.k_begin, s.k_len), heads),
           expand_heads(kv[1].narrow(2, s.k_begin, s.k_len), heads),
           out.narrow(2, s.q_begin, s.q_len), lse.narrow(2, s.q_begin, s.q_len), rows_delta, s.causal, scale,
-          drop.scaled_keep(s, owner, q.size(0), acc));
+          drop.scaled_keep(s, owner, q.size(0), acc), vis.mask(s, owner, causal));
       dq.narrow(2, s.q_begin, s.q_len).add_(dq_s);
       dkv = at::zeros(own.sizes(), own.options().dtype(acc));
       dkv[0].narrow(2, s.k_begin, s.k_len).copy_(reduce_heads(dk_s.to(acc), groups));
@@ -320,9 +373,11 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const ContextParallelAttentionOptions& options) {
+  const auto& documents = options.documents();
   return RingAttention::apply(q, k, v, options.group(), options.causal(), attention_scale(options, q.size(3)),
-                              options.use_sdpa(), options.dropout(), DropoutKey{options.dropout_key()},
-                              options.head_offset());
+                              options.use_sdpa(), options.dropout(), PlainTensor{options.dropout_key()},
+                              options.head_offset(), PlainTensor{documents ? documents->ids : at::Tensor()},
+                              options.window());
 }
 
 }  // namespace megatorch::transformer::detail

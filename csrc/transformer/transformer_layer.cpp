@@ -27,6 +27,7 @@ void TransformerLayerImpl::reset() {
   attention = register_module("attention", ParallelAttention(ParallelAttentionOptions(c)
                                                                  .group(options.group())
                                                                  .name(name + ".attention")
+                                                                 .layer_number(options.layer_number())
                                                                  .rng(options.rng())));
   post_attention_norm = register_module("post_attention_norm", make_norm(c));
   if (c.is_moe_layer(options.layer_number())) {
@@ -57,23 +58,23 @@ at::Tensor TransformerLayerImpl::dropout_add(const at::Tensor& x, const at::Tens
                                    c.hidden_dropout(), drop);
 }
 
-at::Tensor TransformerLayerImpl::layer(const at::Tensor& x, const at::Tensor& rope_freqs) {
+at::Tensor TransformerLayerImpl::layer(const at::Tensor& x, const at::Tensor& rope_freqs, const Documents& documents) {
   // The row-parallel biases are left to dropout_add (forward = forward_without_bias + bias).
-  const at::Tensor a = attention->forward_without_bias(input_norm->forward(x), rope_freqs);
+  const at::Tensor a = attention->forward_without_bias(input_norm->forward(x), rope_freqs, documents);
   const at::Tensor h = dropout_add(a, attention->proj->bias, x);
   const auto [m, bias] = mlp_block(post_attention_norm->forward(h));
   return dropout_add(m, bias, h);
 }
 
-at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs) {
+at::Tensor TransformerLayerImpl::forward(const at::Tensor& x, const at::Tensor& rope_freqs, const Documents& documents) {
   if (options.config().recompute() == Recompute::kFull && is_training()) {
     // Full recomputation keeps only the layer input (2·s·b·h bytes in 16-bit).
-    return recompute([this, rope_freqs](const torch::autograd::variable_list& in) {
-             return torch::autograd::variable_list{layer(in[0], rope_freqs)};
+    return recompute([this, rope_freqs, documents](const torch::autograd::variable_list& in) {
+             return torch::autograd::variable_list{layer(in[0], rope_freqs, documents)};
            },
            {x}, options.rng().get())[0];
   }
-  return layer(x, rope_freqs);
+  return layer(x, rope_freqs, documents);
 }
 
 at::Tensor TransformerLayerImpl::forward_cached(const at::Tensor& x, const at::Tensor& rope_freqs,

@@ -16,7 +16,10 @@
 
 #include "context_parallel_internal.h"
 #include "megatorch/comm/group.h"
+#include "megatorch/check.h"
 #include "megatorch/transformer/attention_dropout.h"
+#include "megatorch/transformer/attention_mask.h"
+#include "megatorch/transformer/packed_sequence.h"
 
 namespace megatorch::transformer::detail {
 namespace {
@@ -60,16 +63,27 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // [b, h, 2L, d] -> [b, h/c, S, d] in natural order, and back.
   auto to_heads = [&](const at::Tensor& x) { return AllToAll::apply(x, group, 1, 2).index_select(2, natural); };
   const double scale = attention_scale(options, q.size(3));
+  // The whole sequence in natural order: packed documents and windows as on one rank.
+  const auto& documents = options.documents();
+  const bool windowed = options.causal() && options.window() > 0 && options.window() < seq;
+  const at::Tensor positions = at::arange(seq, q.options().dtype(at::kLong));
   at::Tensor o;
   if (options.dropout() > 0) {
     // This rank holds heads [rank·heads/c, (rank+1)·heads/c) of its TP rank's.
     const int64_t mine = heads / c, first = options.head_offset() + g.rank() * mine;
-    const at::Tensor positions = at::arange(seq, q.options().dtype(at::kLong));
+    const at::Tensor ids = documents ? documents->ids : at::Tensor();
+    const at::Tensor visible =
+        documents || windowed ? visible_keys(positions, positions, options.causal(), options.window(), ids) : at::Tensor();
     o = keyed_dropout_attention(to_heads(q), to_heads(k), to_heads(v), positions, positions,
                                 at::arange(first, first + mine, positions.options()), options.dropout_key(),
-                                options.dropout(), options.causal(), scale);
+                                options.dropout(), options.causal(), scale, visible);
+  } else if (documents) {
+    MEGATORCH_CHECK(options.causal(), "Ulysses attention: packed documents need causal attention");
+    o = document_causal_attention(to_heads(q), to_heads(k), to_heads(v), documents->runs, 0.0, scale, options.window());
   } else {
-    o = at::scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), std::nullopt, 0.0, options.causal(),
+    const c10::optional<at::Tensor> mask =
+        windowed ? c10::optional<at::Tensor>(causal_window_mask(positions, positions, options.window())) : c10::nullopt;
+    o = at::scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), mask, 0.0, options.causal() && !windowed,
                                          scale, /*enable_gqa=*/groups < heads);
   }
   // Per sample and head of q's `heads`: this rank's heads/c heads each attend S(S+1)/2

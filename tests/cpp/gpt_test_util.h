@@ -30,7 +30,9 @@ inline TransformerConfig base_config() {
       .seed(7);
 }
 
-// MHA/GQA x learned/RoPE x GeLU/SwiGLU x LayerNorm/RMSNorm, covered in three variants.
+// MHA/GQA x learned/RoPE x GeLU/SwiGLU x LayerNorm/RMSNorm, covered in three variants; the
+// fourth is today's open models' attention (Qwen3-like QK-norm, heads x kv_channels !=
+// hidden, Llama's attention and MLP biases without the others, a window on layer 1 only).
 inline std::vector<Variant> variants() {
   return {
       {"mha-learned-gelu-layernorm", base_config()},
@@ -42,7 +44,28 @@ inline std::vector<Variant> variants() {
                                       .normalization(Normalization::kRMSNorm)
                                       .add_bias_linear(false)},
       {"mha-learned-gelu-untied", base_config().tie_embeddings(false).ffn_hidden_size(48)},
+      {"qknorm-kvchannels-biases-window", base_config()
+                                              .num_attention_heads(8)
+                                              .num_query_groups(4)
+                                              .kv_channels(8)
+                                              .position_embedding_type(Positions::kRope)
+                                              .activation(Activation::kSwiGLU)
+                                              .normalization(Normalization::kRMSNorm)
+                                              .add_bias_linear(false)
+                                              .add_attention_bias(true)
+                                              .add_mlp_bias(true)
+                                              .qk_layernorm(true)
+                                              .sliding_window(3)
+                                              .layer_types({"full_attention", "sliding_attention"})},
   };
+}
+
+// The config with n layers, its layer_types (if any) repeated over them.
+inline TransformerConfig with_layers(TransformerConfig c, int64_t n) {
+  std::vector<std::string> types;
+  for (int64_t i = 0; i < n && !c.layer_types().empty(); ++i) types.push_back(c.layer_types()[i % c.layer_types().size()]);
+  c.num_layers(n).layer_types(types);
+  return c;
 }
 
 inline torch::Tensor batch_ids(int64_t b, int64_t s, int64_t vocab, int64_t seed) {
@@ -57,7 +80,7 @@ inline std::pair<int64_t, int64_t> partition_of(const std::string& name, const T
   };
   const int64_t glu = c.activation() == Activation::kSwiGLU ? 2 : 1;
   if (ends("qkv.weight") || ends("qkv.bias")) return {0, 1};
-  if (ends("fc1.weight") || ends("fc1.bias")) return {0, glu};
+  if (ends("fc1.weight") || ends("fc1.bias")) return {0, glu};  // SwiGLU's bias: [gate; up] too
   if (ends("proj.weight") || ends("fc2.weight")) return {1, 1};
   if (ends("embedding.weight") || name == "output_layer") return {0, 1};  // vocab rows
   return {-1, 1};

@@ -1,4 +1,5 @@
 #include <catch2/catch.hpp>
+#include <megatorch/tp/cross_entropy.h>
 #include <megatorch/train/batch_loader.h>
 
 #include <ATen/ATen.h>
@@ -80,4 +81,26 @@ TEST_CASE("MicroBatchLoader: errors name the need, and a failed prefetch surface
   MicroBatchLoader failing(broken, options(0));
   CHECK_NOTHROW(failing.load(0));  // starts preparing samples 12..23 in the background
   CHECK_THROWS_WITH(failing.load(12), Contains("sample 16 is unreadable"));
+}
+
+TEST_CASE("MicroBatchLoader packs documents at the end-of-document token as Megatron does", "[train][loader]") {
+  CountingDataset ds(100, 5);
+  // Sample 24 is 24000..24005: its third token (24002) ends a document.
+  const auto plain_options = options(0).num_micro_batches(1).data_parallel_size(1).eod(24002);
+  auto packed = plain_options;
+  MicroBatchLoader loader(ds, packed.reset_position_ids(true).reset_attention_mask(true).eod_mask_loss(true));
+  const auto mb = loader.load(24)[0];
+  CHECK(at::equal(mb.get("position_ids")[0], at::tensor({0, 1, 2, 0, 1}, at::kLong)));
+  CHECK(at::equal(mb.get("document_ids")[0], at::tensor({0, 0, 0, 1, 1}, at::kLong)));
+  CHECK(at::equal(mb.get("position_ids")[1], at::arange(5, at::kLong)));  // sample 25 has no EOD
+  CHECK(mb.labels[0][2].item<int64_t>() == megatorch::tp::kIgnoreIndex);   // predicted from the EOD: masked
+  CHECK(mb.labels[0][1].item<int64_t>() == 24002);  // the EOD itself is predicted
+  // Off: the plain micro-batch.
+  MicroBatchLoader plain(ds, plain_options);
+  const auto unpacked = plain.load(24)[0];
+  CHECK_FALSE(unpacked.has("position_ids"));
+  CHECK_FALSE(unpacked.has("document_ids"));
+  CHECK(unpacked.labels[0][2].item<int64_t>() == 24003);
+  CHECK_THROWS_WITH(MicroBatchLoader(ds, options(0).eod_mask_loss(true)),
+                    Catch::Contains("split documents at the end-of-document token, but none was given"));
 }

@@ -74,6 +74,12 @@ mt::train::ModelParameters old_parameters(const std::vector<GPTModel>& chunks) {
   mt::train::ModelParameters out;
   for (const auto& chunk : chunks) {
     const auto replicated = chunk->sequence_parallel_parameters();
+    // QK-norm weights: replicated too, their gradient complete on every rank (summed in autograd).
+    std::vector<at::Tensor> qk_norms;
+    for (const auto& layer : *chunk->layers) {
+      const auto& attention = layer->as<mt::transformer::TransformerLayer>()->attention;
+      if (attention->q_norm) qk_norms.insert(qk_norms.end(), {attention->q_norm->weight, attention->k_norm->weight});
+    }
     const auto& c = chunk->options.config();
     const bool tied_copy = c.tie_embeddings() && !chunk->options.pre_process() && chunk->output_layer.defined();
     for (auto& unit : chunk->parameter_units()) {
@@ -81,7 +87,9 @@ mt::train::ModelParameters old_parameters(const std::vector<GPTModel>& chunks) {
         mt::optim::ParamInfo info;
         const bool is_replicated = std::any_of(replicated.begin(), replicated.end(),
                                                [&](const at::Tensor& r) { return r.is_same(p); });
-        if ((is_replicated && chunk->tp.rank != 0) || (tied_copy && p.is_same(chunk->output_layer))) {
+        const bool is_qk_norm =
+            std::any_of(qk_norms.begin(), qk_norms.end(), [&](const at::Tensor& r) { return r.is_same(p); });
+        if (((is_replicated || is_qk_norm) && chunk->tp.rank != 0) || (tied_copy && p.is_same(chunk->output_layer))) {
           info.counted_in_norm = false;
         }
         info.weight_decay = p.dim() > 1;

@@ -1,7 +1,7 @@
 // GPTModel at TP=1 against an independent plain-LibTorch implementation of the same
 // architecture written here (batch-first layout, explicit softmax attention, manual
-// norms, GeLU, RoPE and cross entropy), sharing only the weights: loss and every
-// gradient to 1e-5 relative in fp32.
+// norms, GeLU, RoPE, QK-norm, sliding windows and cross entropy), sharing only the weights:
+// loss and every gradient to 1e-5 relative in fp32.
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
@@ -47,18 +47,26 @@ torch::Tensor reference_loss(GPTModel& model, const TransformerConfig& c, const 
   auto x = P["embedding.weight"].index_select(0, ids.reshape(-1)).view({b, s, h});
   if (c.position_embedding_type() == Positions::kLearned) x = x + P["position_embedding"].narrow(0, 0, s);
   const auto causal = torch::ones({s, s}, torch::kBool).triu(1);
+  const auto distance = torch::arange(s).unsqueeze(1) - torch::arange(s).unsqueeze(0);  // query - key
   for (int64_t i = 0; i < c.num_layers(); ++i) {
     const std::string L = "layers." + std::to_string(i) + ".";
     auto qkv = linear(norm(x, c, P, L + "input_norm"), P, L + "attention.qkv").view({b, s, groups, per + 2, d});
     auto q = qkv.narrow(3, 0, per).reshape({b, s, heads, d});
     auto k = qkv.select(3, per).repeat_interleave(per, 2);
     auto v = qkv.select(3, per + 1).repeat_interleave(per, 2);
+    if (c.qk_layernorm()) {  // over each head's d channels, before RoPE
+      q = norm(q, c, P, L + "attention.q_norm");
+      k = norm(k, c, P, L + "attention.k_norm");
+    }
+    // A sliding window of w: keys more than w - 1 positions back are masked too.
+    const int64_t window = c.attention_window(i);
+    const auto masked = window > 0 ? causal.logical_or(distance >= window) : causal;
     if (c.position_embedding_type() == Positions::kRope) {
       q = rope(q, c.rotary_base());
       k = rope(k, c.rotary_base());
     }
     auto scores = torch::einsum("bqhd,bkhd->bhqk", {q, k}) / std::sqrt(static_cast<double>(d));
-    auto probs = torch::softmax(scores.masked_fill(causal, -INFINITY), -1);
+    auto probs = torch::softmax(scores.masked_fill(masked, -INFINITY), -1);
     auto ctx = torch::einsum("bhqk,bkhd->bqhd", {probs, v}).reshape({b, s, heads * d});
     x = x + linear(ctx, P, L + "attention.proj");
     auto f = linear(norm(x, c, P, L + "post_attention_norm"), P, L + "mlp.fc1");

@@ -113,8 +113,7 @@ TEST_CASE("checkpoint saved at TP2 x PP loads at TP1, TP=world and as ZeRO range
   auto tpw = mp::state(world, 1, "ckpt_tpw");
   Group tpw_g(*tpw, GroupKind::kTensor);
   for (const auto& variant : gpt_test::variants()) {
-    auto config = variant.config;
-    config.num_layers(4);
+    auto config = gpt_test::with_layers(variant.config, 4);
     INFO(variant.name);
     const std::string dir = test_dir(world_g, "reshard_" + variant.name);
     GPTModel ref{GPTModelOptions(config)};  // the saved weights, whole, on every rank

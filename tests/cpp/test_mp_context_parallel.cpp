@@ -36,14 +36,28 @@ struct Case {
   bool sdpa;
   double dropout = 0.0;
   int64_t head_offset = 0;  // q's first head's global index: the dropout mask's head key
+  bool documents = false;   // packed documents (kDocuments) whose boundaries cross the chunks
+  int64_t window = 0;       // sliding window (0: none)
   std::string describe(int64_t c) const {
     std::ostringstream s;
     s << megatorch::transformer::to_string(comm) << " c=" << c << " heads=" << heads << " groups=" << groups
       << (causal ? " causal" : " bidirectional") << (sdpa ? " sdpa" : " math") << " dropout=" << dropout
-      << " head_offset=" << head_offset;
+      << " head_offset=" << head_offset << " documents=" << documents << " window=" << window;
     return s.str();
   }
 };
+
+// Each row's documents, [kBatch, kSeq]: lengths 5, 20, 1, 22 and 30, 18, so that documents
+// start and end inside the CP chunks and one holds a single token.
+at::Tensor document_ids() {
+  std::vector<at::Tensor> rows;
+  for (const auto& lengths : std::vector<std::vector<int64_t>>{{5, 20, 1, 22}, {30, 18}}) {
+    std::vector<at::Tensor> parts;
+    for (size_t d = 0; d < lengths.size(); ++d) parts.push_back(torch::full({lengths[d]}, int64_t(d), torch::kLong));
+    rows.push_back(torch::cat(parts));
+  }
+  return torch::stack(rows);
+}
 
 const at::Tensor kDropoutKey = torch::tensor(int64_t{0x5eed1234abcdLL});
 
@@ -59,20 +73,41 @@ Full make_full(int64_t heads, int64_t groups, uint64_t seed) {
 }
 
 ContextParallelAttentionOptions options(const std::string& group, const Case& c) {
-  auto o = ContextParallelAttentionOptions(group).comm_type(c.comm).causal(c.causal).use_sdpa(c.sdpa);
+  auto o = ContextParallelAttentionOptions(group).comm_type(c.comm).causal(c.causal).use_sdpa(c.sdpa).window(c.window);
   if (c.dropout > 0) o.dropout(c.dropout).dropout_key(kDropoutKey).head_offset(c.head_offset);
+  if (c.documents) {
+    const at::Tensor ids = document_ids();
+    o.documents(std::make_shared<const transformer::PackedDocuments>(
+        transformer::PackedDocuments{ids, transformer::document_runs(ids)}));
+  }
   return o;
+}
+
+// The pairs key j, query i may attend on the whole sequence, [b or 1, 1, S, S], written out:
+// causal, within the window, within the document.
+at::Tensor reference_mask(const Case& c) {
+  const at::Tensor i = torch::arange(kSeq, torch::kLong).unsqueeze(1), j = torch::arange(kSeq, torch::kLong);
+  at::Tensor allowed = torch::ones({kSeq, kSeq}, torch::kBool);
+  if (c.causal) allowed = allowed & (j <= i);
+  if (c.window > 0) allowed = allowed & (i - j < c.window);
+  allowed = allowed.unsqueeze(0);
+  if (c.documents) {
+    const at::Tensor ids = document_ids();
+    allowed = allowed & (ids.unsqueeze(2) == ids.unsqueeze(1));
+  }
+  return allowed.unsqueeze(1);
 }
 
 // Attention on the whole sequence: SDPA, or with dropout softmax · keep / (1 - p) written out.
 at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Case& c) {
+  const bool masked = c.documents || c.window > 0;
   if (c.dropout == 0) {
-    return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, c.causal, std::nullopt,
-                                            /*enable_gqa=*/c.groups < c.heads);
+    return at::scaled_dot_product_attention(q, k, v, masked ? c10::optional<at::Tensor>(reference_mask(c)) : std::nullopt,
+                                            0.0, c.causal && !masked, std::nullopt, /*enable_gqa=*/c.groups < c.heads);
   }
   const at::Tensor ke = k.repeat_interleave(c.heads / c.groups, 1), ve = v.repeat_interleave(c.heads / c.groups, 1);
   at::Tensor scores = at::matmul(q, ke.transpose(-2, -1)) / std::sqrt(static_cast<double>(kHeadDim));
-  if (c.causal) scores = scores.masked_fill(torch::ones({kSeq, kSeq}, torch::kBool).triu(1), -INFINITY);
+  scores = scores.masked_fill(reference_mask(c).logical_not(), -INFINITY);
   const at::Tensor positions = torch::arange(kSeq, torch::kLong);
   const at::Tensor keep = transformer::attention_dropout_keep(
       kDropoutKey, kBatch, torch::arange(c.head_offset, c.head_offset + c.heads, torch::kLong), positions, positions,
@@ -216,6 +251,24 @@ TEST_CASE("context-parallel attention with dropout drops the keyed mask's pairs,
   CHECK_THROWS_WITH(
       context_parallel_attention(mine(f.q), mine(f.k), mine(f.v), ContextParallelAttentionOptions(world).dropout(1.0)),
       Catch::Contains("expected a dropout probability in [0, 1), got 1"));
+}
+
+TEST_CASE("context-parallel attention inside packed documents and sliding windows, at every c and comm type",
+          "[mp][context_parallel]") {
+  auto st = mp::state(1, 1, "cp_documents");
+  const std::string world = st->group_name(GroupKind::kWorld);
+  const int64_t c = mp::world_size();
+  for (bool documents : {true, false}) {
+    for (int64_t window : {0, 7}) {
+      if (!documents && window == 0) continue;  // the plain cases above
+      for (int64_t groups : {4, 2}) check_parity(world, {4, groups, true, CpCommType::kP2P, true, 0.0, 0, documents, window});
+      check_parity(world, {2 * c, c, true, CpCommType::kA2A, true, 0.0, 0, documents, window});
+      // With attention dropout: the keyed mask inside the documents.
+      check_parity(world, {4, 2, true, CpCommType::kP2P, true, 0.3, 5, documents, window});
+      check_parity(world, {2 * c, c, true, CpCommType::kA2A, true, 0.3, 5, documents, window});
+    }
+  }
+  check_parity(st->group_name(GroupKind::kPipeline), {4, 2, true, CpCommType::kP2P, true, 0.0, 0, true, 7});
 }
 
 TEST_CASE("bf16 context-parallel attention on CPU", "[mp][context_parallel]") {

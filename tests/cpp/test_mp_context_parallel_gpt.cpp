@@ -122,7 +122,7 @@ TEST_CASE("GPT at context-parallel size c gives the whole sequence's loss and gr
           // 16 tokens at c = 2 and 4; two chunks of 2 per rank (x t under SP) at any c.
           const int64_t unit = 4 * layout.cp * layout.tp;
           const int64_t seq = unit * std::max<int64_t>(1, 16 / unit);
-          const auto ref_config = gpt_test::TransformerConfig(base).seq_length(seq).num_layers(4);
+          const auto ref_config = gpt_test::with_layers(base, 4).seq_length(seq);
           const auto config = gpt_test::TransformerConfig(ref_config)
                                   .sequence_parallel(layout.sp)
                                   .recompute(recompute)
@@ -169,9 +169,8 @@ TEST_CASE("attention dropout under context parallelism drops what one rank drops
           ++cases;
           INFO(variant.name << " " << describe(layout) << " " << megatorch::transformer::to_string(comm)
                             << " recompute " << megatorch::transformer::to_string(recompute));
-          const auto ref_config = gpt_test::TransformerConfig(base)
+          const auto ref_config = gpt_test::with_layers(base, 2)
                                       .seq_length(16)
-                                      .num_layers(2)
                                       .hidden_dropout(0.0)
                                       .attention_dropout(0.25)
                                       .context_parallel_group(one);

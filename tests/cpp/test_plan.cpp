@@ -516,3 +516,23 @@ TEST_CASE("FP8: the linear layers' GEMMs at the FP8 rate, attention and the head
   CHECK(bf16 - fp8 == Approx((bf16 - rest) / 2).epsilon(1e-9));
   CHECK(rest > 0.05 * bf16);  // attention and the head did not move
 }
+
+TEST_CASE("Attention FLOPs of packed documents and sliding windows: each document's or window's share",
+          "[plan]") {
+  ModelSpec m = from_transformer_config(gpt_test::variants()[1].config.seq_length(4096));
+  const double full = layer_forward_flops(m, 2).attention;
+  CHECK(full == 2.0 * 2 * 2 * 4096 * 4096 * m.num_attention_heads * m.head_dim());
+  m.mean_document_length = 512;  // 8 documents of 512: 8 blocks of 512^2 = s·512
+  CHECK(layer_forward_flops(m, 2).attention == full / 8);
+  CHECK(layer_forward_flops(m, 2).weights == layer_forward_flops(from_transformer_config(
+                                                 gpt_test::variants()[1].config.seq_length(4096)), 2).weights);
+  // A window of 128 on one of the two layers: that layer's keys per query capped at 128.
+  const auto windowed = gpt_test::variants()[3].config.seq_length(4096).sliding_window(128);
+  ModelSpec w = from_transformer_config(windowed);
+  CHECK(w.sliding_layers == 1);
+  CHECK(w.attention_keys_per_query() == 0.5 * 128 + 0.5 * 4096);
+  w.mean_document_length = 64;  // documents shorter than the window: the window changes nothing
+  CHECK(w.attention_keys_per_query() == 64);
+  m.mean_document_length = -1;
+  CHECK_THROWS_WITH(m.validate(), Catch::Contains("--mean-document-length"));
+}

@@ -225,14 +225,15 @@ Field rope_scaling_field() {
 // Every field of TransformerConfig, in declaration order (config.h documents each).
 const std::vector<Field>& fields() {
   static const std::vector<Field> all = {
-      MT_FIELD(hidden_size), MT_FIELD(num_attention_heads), MT_FIELD(num_query_groups),
+      MT_FIELD(hidden_size), MT_FIELD(num_attention_heads), MT_FIELD(num_query_groups), MT_FIELD(kv_channels),
       MT_FIELD(ffn_hidden_size), MT_FIELD(num_layers), MT_FIELD(seq_length),
       MT_FIELD(max_position_embeddings), MT_FIELD(vocab_size), MT_FIELD(make_vocab_size_divisible_by),
       MT_FIELD(normalization), MT_FIELD(norm_epsilon), MT_FIELD(activation),
       MT_FIELD(position_embedding_type), MT_FIELD(rotary_base), MT_FIELD(rotary_percent), rope_scaling_field(),
       MT_FIELD(attention_dropout),
       MT_FIELD(hidden_dropout), MT_FIELD(add_bias_linear), MT_FIELD(add_qkv_bias),
-      MT_FIELD(tie_embeddings), MT_FIELD(sliding_window), MT_FIELD(causal_attention),
+      MT_FIELD(add_attention_bias), MT_FIELD(add_mlp_bias), MT_FIELD(qk_layernorm),
+      MT_FIELD(tie_embeddings), MT_FIELD(sliding_window), MT_FIELD(layer_types), MT_FIELD(causal_attention),
       MT_FIELD(sequence_parallel),
       group_field(
           "context_parallel_group",
@@ -396,6 +397,10 @@ PYBIND11_MODULE(_cpp, m) {
   using megatorch::models::GPTModelImpl;
   using megatorch::models::GPTModelOptions;
   auto gpt = torch::python::bind_module<GPTModelImpl, /*force_enable=*/true>(m, "GPTModel");
+  const auto gpt_forward = [](GPTModelImpl& self, const at::Tensor& input, const std::optional<at::Tensor>& position_ids,
+                              const std::optional<at::Tensor>& document_ids) {
+    return self.forward(input, tf::PackedSequence{or_undefined(position_ids), or_undefined(document_ids)});
+  };
   add_state_dict(gpt);
   gpt.def(py::init([](const Config& c, const py::object& group, int64_t layer_begin, int64_t layer_end,
                        bool pre_process, bool post_process) {
@@ -411,10 +416,13 @@ PYBIND11_MODULE(_cpp, m) {
            "The model's layers [layer_begin, layer_end) (-1: num_layers), with the embedding (pre_process) and the\n"
            "head (post_process). Like the C++ model it seeds torch's default generator with config.seed and its\n"
            "dropout streams with config.seed + tp rank.")
-      .def("forward", &GPTModelImpl::forward, py::arg("input"), release_gil(),
+      .def("forward", gpt_forward, py::arg("input"), py::arg("position_ids") = py::none(),
+           py::arg("document_ids") = py::none(), release_gil(),
            "token ids [b, s] (or hidden states [s, b, h] without pre_process) -> logits shard [s, b, Vp/tp] "
-           "(or hidden states without post_process)")
-      .def("__call__", &GPTModelImpl::forward, py::arg("input"), release_gil())
+           "(or hidden states without post_process); position_ids / document_ids [b, s]: packed documents "
+           "(pack_documents)")
+      .def("__call__", gpt_forward, py::arg("input"), py::arg("position_ids") = py::none(),
+           py::arg("document_ids") = py::none(), release_gil())
       .def("loss", &GPTModelImpl::loss, py::arg("ids"), py::arg("labels"), py::arg("ignore_index") = -100,
            release_gil(), "Mean loss over the non-ignored tokens of ids [b, s], labels [b, s]")
       .def("per_token_loss", &GPTModelImpl::per_token_loss, py::arg("logits"), py::arg("labels"),
@@ -455,19 +463,23 @@ PYBIND11_MODULE(_cpp, m) {
   using tf::ParallelAttentionImpl;
   auto attention = torch::python::bind_module<ParallelAttentionImpl, /*force_enable=*/true>(m, "ParallelAttention");
   add_state_dict(attention);
-  attention.def(py::init([](const Config& c, const py::object& group, const std::string& name) {
+  attention.def(py::init([](const Config& c, const py::object& group, const std::string& name, int64_t layer_number) {
              const auto g = group_name(group);
              return std::make_shared<ParallelAttentionImpl>(
-                 tf::ParallelAttentionOptions(c).group(g).name(name).rng(rng_for(c, g)));
+                 tf::ParallelAttentionOptions(c).group(g).name(name).layer_number(layer_number).rng(rng_for(c, g)));
            }),
-           py::arg("config"), py::arg("group") = py::none(), py::arg("name") = "attention")
+           py::arg("config"), py::arg("group") = py::none(), py::arg("name") = "attention",
+           py::arg("layer_number") = 0)
       .def("forward",
            [](ParallelAttentionImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& rope_freqs) {
              return self.forward(x, or_undefined(rope_freqs));
            },
            py::arg("x"), py::arg("rope_freqs") = py::none(), release_gil())
-      .def("core_attention", &ParallelAttentionImpl::core_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-           release_gil(), "softmax(QK^T/sqrt(d))V: q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d]");
+      .def("core_attention",
+           [](ParallelAttentionImpl& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+             return self.core_attention(q, k, v);
+           },
+           py::arg("q"), py::arg("k"), py::arg("v"), release_gil(), "softmax(QK^T/sqrt(d))V: q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d]");
 
   using tf::ParallelMLPImpl;
   auto mlp = torch::python::bind_module<ParallelMLPImpl, /*force_enable=*/true>(m, "ParallelMLP");
@@ -521,6 +533,27 @@ PYBIND11_MODULE(_cpp, m) {
         "Every tensor of a checkpoint whose key starts with prefix, whole, by key ('model/...', 'optim/exp_avg/...',\n"
         "'optim/grad/...' with gpt_pretrain --save-grads), whatever layout saved it.");
 
+  m.def(
+      "pack_documents",
+      [](const at::Tensor& tokens, int64_t eod, bool reset_position_ids, bool reset_attention_mask) {
+        const auto p = tf::pack_documents(tokens, eod, reset_position_ids, reset_attention_mask);
+        const auto maybe = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+        return py::make_tuple(maybe(p.position_ids), maybe(p.document_ids));
+      },
+      py::arg("tokens"), py::arg("eod"), py::arg("reset_position_ids") = true, py::arg("reset_attention_mask") = true,
+      "Packed documents of token ids [b, s] split after each `eod` (Megatron's --reset-position-ids,\n"
+      "--reset-attention-mask): (position_ids, document_ids), each [b, s] int64 or None when not asked for;\n"
+      "pass them to GPTModel.forward.");
+  m.def(
+      "document_causal_attention",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& document_ids, double scale,
+         int64_t window, double dropout) {
+        return tf::document_causal_attention(q, k, v, tf::document_runs(document_ids), dropout, scale, window);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("document_ids"), py::arg("scale"), py::arg("window") = 0,
+      py::arg("dropout") = 0.0, release_gil(),
+      "Causal attention inside each packed document, block by block: q [b, heads, s, d], k/v [b, groups, s, d],\n"
+      "document_ids [b, s] -> [b, heads, s, d] (no s x s mask is made).");
   m.def("rope_frequencies",
         static_cast<at::Tensor (*)(int64_t, int64_t, double, c10::Device)>(&tf::rope_frequencies),
         py::arg("seq_length"), py::arg("head_dim"), py::arg("base") = 10000.0,

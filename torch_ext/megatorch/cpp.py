@@ -20,6 +20,10 @@ Context parallelism: ``TransformerConfig(context_parallel_group=cp_group, cp_com
 ``context_parallel_positions`` and ``context_parallel_slice`` give that share
 (include/megatorch/transformer/context_parallel.h).
 
+Packed documents: ``position_ids, document_ids = pack_documents(ids, eod)`` and
+``model(ids, position_ids=position_ids, document_ids=document_ids)``: positions restart and
+attention stays inside each document (include/megatorch/transformer/packed_sequence.h).
+
 The extension (``_cpp<EXT_SUFFIX>``) is built next to ``libmegatorch.so`` and taken from
 the same place as the library: the folder of ``$MEGATORCH_LIBRARY``, this package's
 ``lib/``, or the repository's ``build/lib``.
@@ -74,6 +78,8 @@ ParallelMLP = _cpp.ParallelMLP
 rope_frequencies = _cpp.rope_frequencies
 context_parallel_positions = _cpp.context_parallel_positions
 context_parallel_slice = _cpp.context_parallel_slice
+pack_documents = _cpp.pack_documents
+document_causal_attention = _cpp.document_causal_attention
 checkpoint_config = _cpp.checkpoint_config
 read_checkpoint_tensors = _cpp.read_checkpoint_tensors
 
@@ -103,5 +109,6 @@ for _cls in (GPTModel, TransformerLayer, ParallelAttention, ParallelMLP):
     _cls.__doc__ = getattr(_cpp.cpp, _cls.__name__).__init__.__doc__
 
 __all__ = ["TransformerConfig", "GPTModel", "TransformerLayer", "ParallelAttention", "ParallelMLP",
-           "rope_frequencies", "context_parallel_positions", "context_parallel_slice", "save_checkpoint",
+           "rope_frequencies", "context_parallel_positions", "context_parallel_slice", "pack_documents",
+           "document_causal_attention", "save_checkpoint",
            "load_checkpoint", "checkpoint_config", "read_checkpoint_tensors", "extension_path"]

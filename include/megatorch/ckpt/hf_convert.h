@@ -1,8 +1,9 @@
 #pragma once
 // HuggingFace interchange: a single unsharded safetensors checkpoint with HuggingFace's
-// names and config.json, for GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral
-// (MistralForCausalLM: Llama + sliding_window), Qwen2 (Qwen2ForCausalLM: Llama + q/k/v
-// biases) and Mixtral (MixtralForCausalLM: Mistral with a mixture of SwiGLU experts in
+// names and config.json, for GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM, with
+// attention_bias / mlp_bias), Mistral (MistralForCausalLM: Llama + sliding_window), Qwen2
+// (Qwen2ForCausalLM: Llama + q/k/v biases, sliding windows per layer), Qwen3
+// (Qwen3ForCausalLM: Llama + per-head QK RMSNorm, as Qwen2's windows) and Mixtral (MixtralForCausalLM: Mistral with a mixture of SwiGLU experts in
 // every layer). A config.json field the model cannot honour is an error naming the field.
 // import_hf writes a megatorch checkpoint (loadable at any TP x PP), export_hf reads one
 // (saved at any layout) and writes a directory transformers' from_pretrained loads.
@@ -23,26 +24,26 @@
 
 namespace megatorch::ckpt {
 
-enum class HFArch { kGPT2, kLlama, kMistral, kQwen2, kMixtral };
-// the HuggingFace model_type: "gpt2" | "llama" | "mistral" | "qwen2" | "mixtral"
+enum class HFArch { kGPT2, kLlama, kMistral, kQwen2, kMixtral, kQwen3 };
+// the HuggingFace model_type: "gpt2" | "llama" | "mistral" | "qwen2" | "mixtral" | "qwen3"
 const char* to_string(HFArch a);
 HFArch parse_hf_arch(const std::string& s);
 
-// Whether `arch` can express this configuration exactly (Llama: no window, no QKV bias;
-// Mistral: no QKV bias; Qwen2: QKV bias and no other; all of them dense; Mixtral: experts
-// in every layer, routed as mixtral_obstacles describes).
+// Whether `arch` can express this configuration exactly (Llama: no window, no QKV bias
+// without the output projection's; Mistral: no biases, every layer slides or none; Qwen2:
+// QKV bias and no other; Qwen3: QK-norm, attention biases or none; all of them dense;
+// Mixtral: experts in every layer, routed as mixtral_obstacles describes).
 bool hf_arch_holds(HFArch arch, const transformer::TransformerConfig& config);
 // What keeps a mixture-of-experts configuration from being a Mixtral, one entry per
 // megatorch field ("moe_router_score_function sigmoid (Mixtral: softmax)"); empty when it is one.
 std::vector<std::string> mixtral_obstacles(const transformer::TransformerConfig& config);
 // The architecture a megatorch configuration is exported as: `preferred` (the model_type an
 // import recorded) when it holds the configuration, else the first of GPT-2, Llama, Qwen2,
-// Mistral, Mixtral that does; an error naming what no architecture has (for a mixture of
+// Qwen3, Mistral, Mixtral that does; an error naming what no architecture has (for a mixture of
 // experts: each field Mixtral cannot represent).
 HFArch hf_arch_of(const transformer::TransformerConfig& config, const std::string& preferred = "");
 // config.json -> TransformerConfig (options it cannot honour are errors that name them).
-// Sliding windows: the window is kept and seq_length = min(max_position_embeddings,
-// sliding_window); TransformerConfig::validate refuses any use with seq_length > sliding_window.
+// Sliding windows become sliding_window and, where only some layers slide, layer_types.
 transformer::TransformerConfig config_from_hf(const nlohmann::json& hf_config);
 // TransformerConfig -> config.json of `arch` (an error when hf_arch_holds(arch, config) is false).
 // `import_state`: the checkpoint's state as import_hf wrote it; Mixtral's training-only

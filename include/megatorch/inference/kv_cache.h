@@ -27,8 +27,8 @@ struct KVCache {
 };
 
 // The longest sequence (prompt + generated tokens) the model can attend over: its
-// learned position table, or its sliding window when it has one; RoPE models without a
-// window have no limit (INT64_MAX).
+// learned position table; RoPE models have no limit (INT64_MAX). A sliding window bounds
+// what each token sees, not the sequence: the cached attention masks keys past it.
 int64_t max_sequence_length(const transformer::TransformerConfig& config);
 
 // Fails, naming both numbers and what to change, when `total` tokens exceed

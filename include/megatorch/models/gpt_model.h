@@ -44,7 +44,9 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
   // this rank's logits shard [s, b, Vp/tp]. With context parallelism (config's
   // context_parallel_group) s is this CP rank's share of the sequence, in the order
   // transformer::context_parallel_slice gives it (ids sliced so); positions follow.
-  at::Tensor forward(const at::Tensor& input);
+  // packed: documents packed into each row (transformer/packed_sequence.h; every stage of
+  // a pipeline gets the micro-batch's): their positions and attention inside each document.
+  at::Tensor forward(const at::Tensor& input, const transformer::PackedSequence& packed = {});
   // Inference with one KV cache per layer of this chunk (inference::make_kv_caches): the
   // input (ids [b, s], or the previous stage's hidden states [s, b, h]) holds the s tokens
   // at positions [position_offset, position_offset + s), the caches every earlier one.
@@ -93,7 +95,7 @@ class GPTModelImpl : public torch::nn::Cloneable<GPTModelImpl>, public tp::Shard
   tp::TPInfo cp;  // the context-parallel group's rank and size (size 1 without CP)
 
  private:
-  at::Tensor embed(const at::Tensor& ids);
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor& position_ids);
   // The layers through captured CUDA graphs, or eagerly (saying why once) where they cannot be.
   at::Tensor run_layers_graphed(const at::Tensor& h, const at::Tensor& freqs,
                                 const std::function<at::Tensor(at::Tensor)>& run_layers);

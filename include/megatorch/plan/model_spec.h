@@ -20,6 +20,7 @@ struct ModelSpec {
   int64_t hidden_size = 2048;
   int64_t num_attention_heads = 16;
   int64_t num_query_groups = 0;  // 0: MHA
+  int64_t kv_channels = 0;       // each head's channels; 0: hidden_size / num_attention_heads
   int64_t ffn_hidden_size = 0;   // 0: 4h (GeLU) or Llama's 8h/3 rounded to 64 (SwiGLU)
   int64_t vocab_size = 51200;
   int64_t make_vocab_size_divisible_by = 128;
@@ -29,6 +30,10 @@ struct ModelSpec {
   bool learned_positions = true;
   bool add_bias_linear = true;
   bool add_qkv_bias = false;  // QKV biases without the other biases (Qwen2)
+  bool add_attention_bias = false;  // QKV and output-projection biases (HF Llama's attention_bias)
+  bool add_mlp_bias = false;        // the MLP's (and experts') biases (mlp_bias)
+  bool qk_layernorm = false;        // a norm over head_dim on q and on k (Qwen3)
+  bool mlp_bias() const { return add_bias_linear || add_mlp_bias; }
   bool tie_embeddings = true;
   // Mixture of experts, as TransformerConfig names it (Megatron's flags); 0 experts: dense.
   // Layer i (0-based) is an MoE layer when i % moe_layer_freq == 0 and i >= moe_first_k_dense.
@@ -43,10 +48,20 @@ struct ModelSpec {
   // the mean routed rows (1: perfectly balanced routing). Applied only at EP > 1, capped at
   // EP (one rank cannot receive more than every rank's rows). See docs/plan.md.
   double moe_imbalance_margin = 1.0;
+  // What each query attends to, for the attention FLOPs: packed documents' mean length
+  // (--reset-attention-mask; 0: one document per sequence) and a sliding window on
+  // `sliding_layers` of the layers (0: none).
+  int64_t mean_document_length = 0;
+  int64_t sliding_window = 0;
+  int64_t sliding_layers = 0;
 
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
   int64_t ffn() const;
+  // Keys per query, averaged over the layers, in the full-square count (the sequence
+  // without packing or windows): a document of L tokens is an L x L block, so documents of
+  // mean length m give s·m scores per sequence; a window of w caps a layer's at s·w.
+  double attention_keys_per_query() const;
   bool is_moe() const { return num_experts > 0; }
   int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn(); }
   bool is_moe_layer(int64_t layer) const {

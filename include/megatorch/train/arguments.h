@@ -40,6 +40,7 @@ struct TrainArguments {
   int64_t num_attention_heads = 4;
   bool group_query_attention = false;
   int64_t num_query_groups = 0;
+  int64_t kv_channels = 0;  // each head's channels; 0: hidden / heads
   int64_t seq_length = 128;
   int64_t max_position_embeddings = 0;  // 0: seq_length
   std::string position_embedding_type = "learned_absolute";  // learned_absolute | rope
@@ -48,6 +49,9 @@ struct TrainArguments {
   bool untie_embeddings_and_output_weights = false;
   bool disable_bias_linear = false;  // no biases on the linear layers (Llama, Mistral, Qwen2)
   bool add_qkv_bias = false;         // biases on the QKV projection even so (Qwen2)
+  bool add_attention_bias = false;   // and on the output projection (HF Llama's attention_bias)
+  bool add_mlp_bias = false;         // biases on the MLP's linears even so (HF Llama's mlp_bias)
+  bool qk_layernorm = false;         // a norm over head_dim on each query and key head (Qwen3)
   double rotary_base = 10000.0;
   double rotary_percent = 1.0;  // the fraction of each head's channels RoPE rotates
   // RoPE scaling (transformer/rope.h): HF's rope_type and factor; --use-rope-scaling is
@@ -63,6 +67,7 @@ struct TrainArguments {
   double init_method_std = 0.02;
   int64_t make_vocab_size_divisible_by = 128;
   int64_t sliding_window = 0;  // from a checkpoint (Mistral) with --use-checkpoint-args; 0: none
+  std::vector<std::string> layer_types;  // from a checkpoint: which layers slide (empty: all)
   int64_t vocab_size = 0;      // 0: the tokenizer's (257 for ByteLevel); else that many ids
   data::TokenizerOptions tokenizer;
   double hidden_dropout = 0.0;
@@ -126,6 +131,10 @@ struct TrainArguments {
   // Data
   std::vector<std::string> data_path;  // Megatron's list: [w1] p1 [w2 p2 ...]
   std::string split = "969,30,1";
+  // Packed documents (Megatron's flags; transformer/packed_sequence.h).
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
+  bool eod_mask_loss = false;
   // Checkpoints
   std::string save;
   std::string load;

@@ -24,6 +24,13 @@ struct MicroBatchLoaderOptions {
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   // Prepare the global batch after each one loaded (off: every load reads synchronously).
   TORCH_ARG(bool, prefetch) = true;
+  // Packed documents (Megatron's flags; transformer/packed_sequence.h), split at token `eod`:
+  // micro-batches carry "position_ids" restarting after each EOD, "document_ids" that keep
+  // attention inside documents, and labels ignored where the input is the EOD.
+  TORCH_ARG(int64_t, eod) = -1;
+  TORCH_ARG(bool, reset_position_ids) = false;
+  TORCH_ARG(bool, reset_attention_mask) = false;
+  TORCH_ARG(bool, eod_mask_loss) = false;
 };
 
 class MicroBatchLoader {

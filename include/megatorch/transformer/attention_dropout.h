@@ -39,9 +39,10 @@ at::Tensor attention_dropout_keep(const at::Tensor& key, int64_t batch, const at
 // plain ATen ops (autograd differentiates it). q [b, H, Q, d], k and v [b, G, K, d] with
 // H divisible by G (grouped-query attention); `heads` [H] are q's global head indices.
 // The reference the context-parallel paths are tested against, and Ulysses' local step.
+// `visible` [b or 1, Q, K] (attention_mask.h's visible_keys) replaces the causal mask when given.
 at::Tensor keyed_dropout_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& q_positions, const at::Tensor& k_positions,
                                    const at::Tensor& heads, const at::Tensor& key, double p, bool causal,
-                                   double scale);
+                                   double scale, const at::Tensor& visible = {});
 
 }  // namespace megatorch::transformer

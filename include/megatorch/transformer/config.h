@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <string>
+#include <vector>
 
 #include "megatorch/fp8/recipe.h"
 #include "megatorch/tp/init.h"
@@ -28,6 +29,9 @@ struct TransformerConfig {
   TORCH_ARG(int64_t, num_attention_heads) = 4;
   // Key/value heads (GQA); 0 means num_attention_heads (MHA). Must be divisible by tp.
   TORCH_ARG(int64_t, num_query_groups) = 0;
+  // Each head's channels (Megatron's --kv-channels, HF's head_dim); 0: hidden_size / heads.
+  // Qwen3 and Gemma use heads x head_dim != hidden_size.
+  TORCH_ARG(int64_t, kv_channels) = 0;
   // 0 means 4 * hidden_size (GeLU) or Llama's 8/3 * hidden rounded to 64 (SwiGLU).
   TORCH_ARG(int64_t, ffn_hidden_size) = 0;
   TORCH_ARG(int64_t, num_layers) = 2;
@@ -45,18 +49,28 @@ struct TransformerConfig {
   // Megatron's --rotary-percent), with a context-extension scheme (rope.h). Both change
   // what the weights mean, so checkpoints record them.
   TORCH_ARG(double, rotary_percent) = 1.0;
-  TORCH_ARG(RopeScaling, rope_scaling) = {};  TORCH_ARG(double, attention_dropout) = 0.0;
+  TORCH_ARG(RopeScaling, rope_scaling) = {};
+  TORCH_ARG(double, attention_dropout) = 0.0;
   TORCH_ARG(double, hidden_dropout) = 0.0;
   // Biases on the linear layers (and LayerNorm's beta).
   TORCH_ARG(bool, add_bias_linear) = true;
   // Biases on the QKV projection even when add_bias_linear is false (Qwen2; Megatron-core's
   // add_qkv_bias). Changes the parameter shapes, so checkpoints record it.
   TORCH_ARG(bool, add_qkv_bias) = false;
+  // Biases on q, k, v and the output projection (HF Llama's attention_bias), and on the MLP's
+  // linears (mlp_bias; the experts' too) when add_bias_linear is false. Shapes: recorded.
+  TORCH_ARG(bool, add_attention_bias) = false;
+  TORCH_ARG(bool, add_mlp_bias) = false;
+  // Norm of each query and key head over its head_dim before RoPE, one weight shared by the
+  // heads (Qwen3, OLMo 2; Megatron's --qk-layernorm), of the config's normalization.
+  TORCH_ARG(bool, qk_layernorm) = false;
   TORCH_ARG(bool, tie_embeddings) = true;
-  // Sliding-window attention span in tokens (Mistral); 0: none. Attention here always covers
-  // the whole causal prefix, which equals a window >= seq_length, so validate() refuses a
-  // shorter window rather than silently attending further than the model was trained to.
+  // Sliding-window attention (Mistral, Qwen2, Gemma): a query at position i sees keys j with
+  // i - sliding_window < j <= i; 0: none. layer_types names each layer's kind as HF's
+  // config.json does, "sliding_attention" or "full_attention" (empty: every layer slides
+  // when sliding_window > 0). Not shapes, but what the weights compute: recorded.
   TORCH_ARG(int64_t, sliding_window) = 0;
+  TORCH_ARG(std::vector<std::string>, layer_types) = {};
   // Each token attends to those before it (a decoder); false gives bidirectional attention,
   // e.g. a BERT encoder. KV-cache inference and the HuggingFace export need causal.
   TORCH_ARG(bool, causal_attention) = true;
@@ -135,7 +149,7 @@ struct TransformerConfig {
   // TORCH_ARG leaves the struct in `private:`.
  public:
   int64_t query_groups() const { return num_query_groups_ > 0 ? num_query_groups_ : num_attention_heads_; }
-  int64_t head_dim() const { return hidden_size_ / num_attention_heads_; }
+  int64_t head_dim() const { return kv_channels_ > 0 ? kv_channels_ : hidden_size_ / num_attention_heads_; }
   int64_t ffn() const;
   int64_t moe_ffn() const { return moe_ffn_hidden_size_ > 0 ? moe_ffn_hidden_size_ : ffn(); }
   bool is_moe_layer(int64_t layer) const {
@@ -148,6 +162,13 @@ struct TransformerConfig {
   // The channels RoPE rotates: int(head_dim · rotary_percent), as HF rounds it.
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent_); }
   int64_t max_positions() const { return max_position_embeddings_ > 0 ? max_position_embeddings_ : seq_length_; }
+  // Which linears carry biases: Megatron's add_bias_linear (all), plus Qwen2's QKV-only and
+  // HF Llama's attention / MLP ones.
+  bool qkv_bias() const { return add_bias_linear_ || add_qkv_bias_ || add_attention_bias_; }
+  bool proj_bias() const { return add_bias_linear_ || add_attention_bias_; }
+  bool mlp_bias() const { return add_bias_linear_ || add_mlp_bias_; }
+  // Layer `layer`'s (global, 0-based) attention window in tokens; 0: the whole causal prefix.
+  int64_t attention_window(int64_t layer) const;
 
   // Every constraint against a TP (and CP, EP, expert-TP) size, failing with what was
   // expected and given.

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <string>
 
+#include "megatorch/transformer/packed_sequence.h"
+
 namespace megatorch::transformer {
 
 enum class CpCommType { kP2P, kA2A };
@@ -58,6 +60,11 @@ struct ContextParallelAttentionOptions {
   TORCH_ARG(double, dropout) = 0.0;
   TORCH_ARG(at::Tensor, dropout_key) = {};
   TORCH_ARG(int64_t, head_offset) = 0;
+  // Packed documents over the whole sequence (packed_sequence.h): a query sees only keys of
+  // its own document. A sliding window of `window` keys (0: none). Either runs the ring's
+  // pieces on the math path with the pair mask; Ulysses attends document by document.
+  TORCH_ARG(Documents, documents) = nullptr;
+  TORCH_ARG(int64_t, window) = 0;
 };
 
 // Attention of this rank's queries over the whole sequence (with dropout when asked). q [b, heads, 2L, d], k and v

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "megatorch/tp/parameter_layout.h"
 #include "megatorch/transformer/config.h"
 
 namespace megatorch::transformer {
@@ -24,15 +25,24 @@ struct NormOptions {
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   // kernels::layer_norm / rms_norm (one pass per row); off: at::layer_norm / rms_norm above.
   TORCH_ARG(bool, fused) = true;
+  // Under sequence parallelism its gradient is a partial sum over TP (a norm of this rank's
+  // sequence shard). false: complete on every rank whatever the parallelism (QK-norm, whose
+  // weight enters through copy_to_tp_region): the optimizer must not sum it again.
+  TORCH_ARG(bool, partial_grad_under_sp) = true;
 };
 
-class NormImpl : public torch::nn::Cloneable<NormImpl> {
+class NormImpl : public torch::nn::Cloneable<NormImpl>, public tp::ShardedModule {
  public:
   explicit NormImpl(NormOptions options);
   void reset() override;
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& x);
+  // forward with other tensors standing for weight and bias (e.g. the weight passed through
+  // a TP mapping, as QK-norm does): the same kernel and options.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+  // Replicated; with partial_grad_under_sp false, described so (else the generic rule).
+  std::map<std::string, tp::ParameterLayout> parameter_layouts() const override;
 
   NormOptions options;
   at::Tensor weight;
@@ -43,5 +53,7 @@ TORCH_MODULE(Norm);
 // The norm `config` describes (kind, epsilon, LayerNorm's beta with the linear biases,
 // dtype, device, fused kernels): each layer's two norms and the final one.
 Norm make_norm(const TransformerConfig& config);
+// The same norm over `size` channels (QK-norm's head_dim).
+Norm make_norm(const TransformerConfig& config, int64_t size);
 
 }  // namespace megatorch::transformer

@@ -26,7 +26,8 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
  public:
   explicit TransformerLayerImpl(TransformerLayerOptions options);
   void reset() override;
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_freqs = {});
+  // documents: packed documents attention stays inside (ParallelAttention::forward).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_freqs = {}, const Documents& documents = nullptr);
   // Inference: x [s, b, h] are the tokens after those in `cache` (see
   // ParallelAttention::forward_cached_without_bias). Eval mode.
   at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& rope_freqs, inference::KVCache& cache);
@@ -45,7 +46,7 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
  private:
   // The MLP block on the normalised h, and the bias dropout_add adds (dense: fc2's).
   std::pair<at::Tensor, at::Tensor> mlp_block(const at::Tensor& normed);
-  at::Tensor layer(const at::Tensor& x, const at::Tensor& rope_freqs);
+  at::Tensor layer(const at::Tensor& x, const at::Tensor& rope_freqs, const Documents& documents);
   // residual + dropout(x + bias) (bias may be undefined); one kernel with fused_kernels.
   at::Tensor dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual);
 };

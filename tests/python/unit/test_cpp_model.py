@@ -269,7 +269,8 @@ def test_config_fields_are_keywords_and_attributes():
     assert c.query_groups == 3
     assert set(c.to_dict()) >= {"hidden_size", "num_query_groups", "ffn_hidden_size", "norm_epsilon", "init_std",
                                 "seed", "shard_local_init", "tie_embeddings", "make_vocab_size_divisible_by"}
-    assert len(c.to_dict()) == 57  # every TORCH_ARG of TransformerConfig (20 of them MoE's, 3 FP8's, 2 RoPE scaling's)
+    # every TORCH_ARG of TransformerConfig (20 of them MoE's, 3 FP8's, 2 RoPE scaling's, 5 for windows, QK-norm, biases)
+    assert len(c.to_dict()) == 62
     assert c.fused_kernels is True and mt.TransformerConfig(fused_kernels=False).fused_kernels is False
     assert c.cuda_graph is False and mt.TransformerConfig(cuda_graph=True).cuda_graph is True
     assert c.causal_attention is True and mt.TransformerConfig(causal_attention=False).causal_attention is False

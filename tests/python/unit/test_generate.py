@@ -20,7 +20,7 @@ import transformers  # a requirement (requirements.txt): missing, this test fail
 
 BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", Path(__file__).resolve().parents[3] / "build" / "bin"))
 GENERATE = str(BIN / "megatorch-generate")
-VOCAB, POSITIONS, WINDOW, NEW = 200, 32, 16, 8
+VOCAB, POSITIONS, WINDOW, NEW = 200, 32, 6, 8  # prompts + NEW run past the window
 PROMPTS = [[5, 17, 99], [1, 2, 3, 4, 5, 6, 7], [42]]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60")
 
@@ -47,7 +47,7 @@ def hf_model(arch):
                       num_key_value_heads=2, max_position_embeddings=POSITIONS, rms_norm_eps=1e-6, rope_theta=500.0)
         if arch == "qwen2":  # q/k/v biases, tied head
             fields.update(tie_word_embeddings=True)
-        if arch == "mistral":  # a window of WINDOW tokens (the import caps seq_length at it)
+        if arch == "mistral":  # a window of WINDOW tokens, which generation runs past
             fields.update(max_position_embeddings=4 * POSITIONS, sliding_window=WINDOW)
         if arch == "mixtral":  # 4 experts, 2 per token: the routing changes from token to token
             fields.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
@@ -160,8 +160,6 @@ def test_bad_inputs_fail_clearly(models, tmp_path):
     long_prompt.write_text(json.dumps({"ids": list(range(30))}) + "\n")
     r = generate(["--load", ckpt, "--prompts-file", long_prompt, "--max-new-tokens", NEW], check=False)
     assert r.returncode == 1 and "learned position table of 32 tokens, got 38 tokens" in r.stderr
-    r = generate(["--load", models["mistral"][1], "--prompts-file", long_prompt, "--max-new-tokens", NEW], check=False)
-    assert r.returncode == 1 and "sliding window of 16 tokens, got 38 tokens" in r.stderr
     bad_ids = tmp_path / "bad.jsonl"
     bad_ids.write_text(json.dumps({"ids": [1, VOCAB]}) + "\n")
     r = generate(["--load", ckpt, "--prompts-file", bad_ids], check=False)

@@ -85,7 +85,9 @@ CONFIGS = [
     ("llama", dict(num_hidden_layers=-1), "'num_hidden_layers' to be an integer >= 1, got -1"),
     ("gpt2", dict(n_layer=0), "'n_layer' to be an integer >= 1, got 0"),
     ("llama", dict(vocab_size=0), "'vocab_size' to be an integer >= 1, got 0"),
-    ("llama", dict(hidden_size=30), "hidden_size (30) to be divisible by num_attention_heads (4)"),
+    ("llama", dict(hidden_size=30, head_dim=None), "hidden_size (30) to be divisible by num_attention_heads (4)"),
+    # With head_dim given, heads x head_dim need not be the hidden size (Qwen3): the weights say no.
+    ("llama", dict(hidden_size=30), f"'model.embed_tokens.weight' of shape [{VOCAB}, 30] (from config.json)"),
     ("gpt2", dict(n_embd=30), "n_embd (30) to be divisible by n_head (4)"),
     ("llama", dict(num_key_value_heads=3), "num_attention_heads (4) to be divisible by num_key_value_heads (3)"),
     ("llama", dict(intermediate_size="48"), "'intermediate_size' to be an integer, got \"48\""),

@@ -1,7 +1,7 @@
 """HuggingFace interchange (build/bin/megatorch-hf, include/megatorch/ckpt/hf_convert.h).
 
 Randomly initialised tiny GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM, GQA), Mistral
-(MistralForCausalLM, GQA, a sliding window as long as the sequence) and Qwen2
+(MistralForCausalLM, GQA, a sliding window shorter than the sequence) and Qwen2
 (Qwen2ForCausalLM, GQA, non-zero q/k/v biases) models written by the ``transformers``
 package: import -> megatorch logits equal HF logits and the export gives the same class
 back; a megatorch model exported -> transformers loads it as the right class and gives
@@ -52,7 +52,7 @@ def hf_model(arch, tied, **extra):
         fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
                       rope_theta=10000.0, tie_word_embeddings=tied)
-        if arch == "mistral":  # positions beyond the window: the import keeps seq_length within it
+        if arch == "mistral":  # positions beyond the window
             fields.update(max_position_embeddings=4 * SEQ, sliding_window=SEQ)
         fields.update(extra)
         config = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
@@ -91,7 +91,7 @@ def test_import_gives_huggingface_logits(tmp_path, arch, tied):
     config = mt.checkpoint_config(str(tmp_path / "ckpt"))
     assert config.tie_embeddings == tied
     assert config.add_qkv_bias == (arch == "qwen2")
-    assert (config.sliding_window, config.seq_length) == ((SEQ, SEQ) if arch == "mistral" else (0, SEQ))
+    assert (config.sliding_window, config.seq_length) == ((SEQ, 4 * SEQ) if arch == "mistral" else (0, SEQ))
     model = mt.GPTModel(config.replace(seed=99))  # other weights until loaded
     assert mt.load_checkpoint(model, str(tmp_path / "ckpt")) == 0
     x = ids()
@@ -150,18 +150,20 @@ def test_export_refuses_other_architectures(tmp_path):
 
 
 def test_sliding_window_shorter_than_the_sequence(tmp_path):
-    # The import keeps the window and the sequence within it; a longer sequence is refused by name.
-    hf = hf_model("mistral", False, sliding_window=SEQ // 2)
+    # The window masks keys more than SEQ / 4 back: HF's logits over the whole sequence.
+    hf = hf_model("mistral", False, sliding_window=SEQ // 4)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     run("import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt")
     config = mt.checkpoint_config(str(tmp_path / "ckpt"))
-    assert (config.sliding_window, config.seq_length) == (SEQ // 2, SEQ // 2)
+    assert (config.sliding_window, config.seq_length) == (SEQ // 4, 4 * SEQ)
     model = mt.GPTModel(config)
     mt.load_checkpoint(model, str(tmp_path / "ckpt"))
-    x = ids()[:, : SEQ // 2]
+    x = ids()
     assert_close(mt_logits(model, x), hf_logits(hf, x))
-    with pytest.raises(RuntimeError, match=rf"sliding_window \({SEQ // 2}\) >= seq_length \({SEQ}\).*--seq-length"):
-        mt.GPTModel(config.replace(seq_length=SEQ))
+    # Without the window the logits past it differ: the test sees a window that is not applied.
+    plain = mt.GPTModel(config.replace(sliding_window=0))
+    mt.load_checkpoint(plain, str(tmp_path / "ckpt"))
+    assert not torch.allclose(mt_logits(plain, x), hf_logits(hf, x), rtol=1e-3, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -191,19 +193,16 @@ REFUSED = [
     ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 0.5, "rope_theta": 1e4}),
      "rope_parameters: rope_type 'yarn': expected a scaling factor >= 1, got 0.5"),
     ("mistral", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    ("llama", dict(attention_bias=True), "attention_bias"),
-    ("llama", dict(mlp_bias=True), "mlp_bias"),
-    ("mistral", dict(head_dim=16), "head_dim 16"),
     ("qwen2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention"),
     ("gpt2", dict(activation_function="relu"), "activation_function 'relu'"),
     ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     ("llama", dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
-    # Layer 0 full attention, layer 1 sliding: megatorch has one kind for all layers.
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=DROP), "max_window_layers"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
-     "use_sliding_window"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
+     "expected 'layer_types' to be a list of num_hidden_layers (2) strings"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "chunked_attention"]),
+     "expected each of layer_types to be 'sliding_attention' or 'full_attention', got \"chunked_attention\""),
     ("falcon", {}, "model_type"),
 ]
 

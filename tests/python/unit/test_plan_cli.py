@@ -389,3 +389,18 @@ def test_flash_and_math_attention_are_refused_together():
               "--flash-attention")
     assert out.returncode != 0
     assert "got both flash_attention and math_attention" in out.stderr and "not both" in out.stderr
+
+
+def test_mean_document_length_counts_packed_attention():
+    """--mean-document-length: packed documents' attention is each document's square, so a
+    long-sequence layout computes less; 0 (the default) is one document per sequence."""
+    fixed = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "32768",
+             "--nodes", "1", "--gpus-per-node", "1", "--global-batch-size", "1", "--tensor-model-parallel-size", "1",
+             "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1", "--recompute-granularity", "full",
+             "--context-parallel-size", "1"]
+    whole = plan_json(*fixed)["top"][0]["time"]["compute_s"]
+    assert plan_json(*fixed, "--mean-document-length", "0")["top"][0]["time"]["compute_s"] == whole
+    packed = plan_json(*fixed, "--mean-document-length", "512")["top"][0]["time"]["compute_s"]
+    assert packed < 0.5 * whole  # attention dominates at 32k tokens
+    out = run(*fixed, "--mean-document-length", "-5")
+    assert out.returncode != 0 and "--mean-document-length" in out.stderr

@@ -1,0 +1,206 @@
+"""Today's open model families against transformers: Qwen3 (per-head QK RMSNorm, heads x
+head_dim != hidden_size, attention biases, a sliding window on some layers), Llama with
+attention_bias / mlp_bias, Mistral with a window shorter than the sequence and Qwen2 with
+full and sliding layers mixed (max_window_layers, no layer_types in config.json).
+
+Tiny randomly initialised models written by transformers, imported with megatorch-hf:
+- the logits of sequences longer than the window equal transformers' (1e-5 relative, fp32)
+  and the export loads back as the same class with the same logits;
+- greedy generation past the window equals transformers' generate at TP1, TP2 and TP2 x PP2;
+- gpt_pretrain --use-checkpoint-args --finetune trains the import 5 steps at TP2 x PP2 with
+  the first loss of one rank's, the export of the result loads in transformers and its loss
+  on a batch equals megatorch's, and both runs resume at the other's layout with one loss.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformers  # a requirement (requirements.txt): missing, this test fails, not skips
+import megatorch.cpp as mt
+from tolerance import assert_close
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", ROOT / "build" / "bin"))
+DATA = ROOT / "data" / "default" / "stdlib_docs_text_document"  # byte-level ids < 257
+VOCAB, SEQ, WINDOW, NEW = 300, 24, 6, 8
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60")
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# name -> (config class, model class, fields, what the import must make of them)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16),
+              dict(qk_layernorm=True, kv_channels=16, sliding_window=0)),
+    "qwen3_window_bias": ("Qwen3Config", "Qwen3ForCausalLM",
+                          dict(head_dim=8, attention_bias=True, use_sliding_window=True, sliding_window=WINDOW,
+                               max_window_layers=1),
+                          dict(qk_layernorm=True, add_attention_bias=True, sliding_window=WINDOW,
+                               layer_types=["full_attention", "sliding_attention"])),
+    "llama_biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True),
+                     dict(add_attention_bias=True, add_mlp_bias=True)),
+    "llama_attention_bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True),
+                             dict(add_attention_bias=True, add_mlp_bias=False)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW),
+                       dict(sliding_window=WINDOW, layer_types=[])),
+    "qwen2_mixed": ("Qwen2Config", "Qwen2ForCausalLM",
+                    dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                    dict(add_qkv_bias=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"])),
+}
+
+
+def launch(*args, nproc=1, torchrun=False):
+    cmd = [str(BIN / args[0])]
+    if nproc > 1 or torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--no-python", *cmd]
+    return subprocess.run([*cmd, *map(str, args[1:])], capture_output=True, text=True, errors="replace",
+                          timeout=600, env=ENV)
+
+
+def run(*args, nproc=1, torchrun=False):
+    out = launch(*args, nproc=nproc, torchrun=torchrun)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def hf_model(name):
+    config_cls, model_cls, fields, _ = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **fields))
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every tensor tell its place; peaked logits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.generation_config.eos_token_id = None
+    return model.eval().float()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """name -> (transformers model, its directory, the megatorch checkpoint)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name in FAMILIES:
+        model = hf_model(name)
+        model.save_pretrained(root / name, safe_serialization=True)
+        if name == "qwen2_mixed":  # as transformers 4.x wrote it: the layers from max_window_layers
+            path = root / name / "config.json"
+            config = json.loads(path.read_text())
+            del config["layer_types"]
+            path.write_text(json.dumps(config))
+        run("megatorch-hf", "import", "--hf-dir", root / name, "--save", root / f"ckpt_{name}")
+        out[name] = (model, root / name, root / f"ckpt_{name}")
+    return out
+
+
+def mt_logits(model, x):
+    with torch.no_grad():
+        return model(x)[:, :, :VOCAB].transpose(0, 1)
+
+
+def batch(seed=3):
+    return torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_import_gives_transformers_logits_and_exports_back(imported, tmp_path, name):
+    hf, _, ckpt = imported[name]
+    config = mt.checkpoint_config(str(ckpt))
+    for key, value in FAMILIES[name][3].items():
+        assert getattr(config, key) == value, key
+    model = mt.GPTModel(config.replace(seed=99))
+    assert mt.load_checkpoint(model, str(ckpt)) == 0
+    x = batch()
+    with torch.no_grad():
+        want = hf(input_ids=x).logits
+    assert_close(mt_logits(model, x), want)
+    run("megatorch-hf", "export", "--load", ckpt, "--hf-dir", tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(back).__name__ == FAMILIES[name][1]
+    assert getattr(back.config, "layer_types", None) == getattr(hf.config, "layer_types", None)
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=x).logits, want)
+
+
+def test_windows_change_the_logits(imported):
+    """The windows are seen: without them, or on every layer, the logits differ."""
+    for name, change in [("mistral_window", dict(sliding_window=0)),
+                         ("qwen2_mixed", dict(layer_types=["sliding_attention"] * 2))]:
+        hf, _, ckpt = imported[name]
+        model = mt.GPTModel(mt.checkpoint_config(str(ckpt)).replace(**change))
+        x = batch()
+        # load_checkpoint compares the window and the layer types too: load from the exact model.
+        exact = mt.GPTModel(mt.checkpoint_config(str(ckpt)))
+        mt.load_checkpoint(exact, str(ckpt))
+        model.load_state_dict(exact.state_dict())
+        with torch.no_grad():
+            assert not torch.allclose(mt_logits(model, x), hf(input_ids=x).logits, rtol=1e-3, atol=1e-3), name
+
+
+PROMPTS = [[5, 17, 99, 3, 8, 1, 2], [42, 7, 7, 7, 7, 7]]  # 7 + 8 tokens: past WINDOW = 6
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_generation_equals_transformers_at_tp_and_pp(imported, tmp_path, name):
+    hf, _, ckpt = imported[name]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"ids": p}) + "\n" for p in PROMPTS))
+    want = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, eos_token_id=None,
+                              pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    for tp, pp in [(1, 1), (2, 1), (2, 2)]:
+        out = tmp_path / f"out_{tp}_{pp}.jsonl"
+        run("megatorch-generate", "--load", ckpt, "--prompts-file", tmp_path / "prompts.jsonl", "--max-new-tokens",
+            NEW, "--output-json", out, "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+            "--ignore-eod", nproc=tp * pp)
+        got = [json.loads(line)["generated_ids"] for line in out.read_text().splitlines()]
+        assert got == want, (tp, pp)
+
+
+TRAIN = ["--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
+         "--lr-warmup-iters", "0", "--data-path", str(DATA), "--eval-iters", "0", "--seed", "5", "--use-checkpoint-args"]
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines() if "loss" in json.loads(line)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_window_bias", "llama_biases", "qwen2_mixed"])
+def test_import_train_at_tp2_pp2_export_gives_megatorchs_loss(imported, tmp_path, name):
+    _, _, ckpt = imported[name]
+    got = {}
+    for layout, nproc, flags in [("one", 1, []), ("tp2pp2", 4, ["--tensor-model-parallel-size", "2",
+                                                                 "--pipeline-model-parallel-size", "2"])]:
+        run("gpt_pretrain", "--load", ckpt, "--save", tmp_path / layout, *TRAIN, "--finetune", "--train-iters", "5",
+            *flags, "--log-json", tmp_path / f"{layout}.json", nproc=nproc, torchrun=True)
+        got[layout] = losses(tmp_path / f"{layout}.json")
+    assert len(got["one"]) == 5
+    assert got["tp2pp2"][0] == pytest.approx(got["one"][0], rel=1e-5)  # the import's loss at both layouts
+    assert got["tp2pp2"] == pytest.approx(got["one"], rel=1e-4)
+    # The TP2 x PP2 run's weights, exported: transformers' loss on a batch is megatorch's.
+    run("megatorch-hf", "export", "--load", tmp_path / "tp2pp2", "--hf-dir", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == FAMILIES[name][1]
+    config = mt.checkpoint_config(str(tmp_path / "tp2pp2"))
+    model = mt.GPTModel(config)
+    assert mt.load_checkpoint(model, str(tmp_path / "tp2pp2")) == 5
+    x = torch.randint(257, (2, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        hf_loss = hf(input_ids=x[:, :-1], labels=x[:, :-1]).loss  # transformers shifts the labels itself
+        logits = mt_logits(model, x[:, :-1])
+        mt_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:-1].reshape(-1))
+    assert mt_loss.item() == pytest.approx(hf_loss.item(), rel=1e-5)
+    # Continued pretraining resumes at another layout: the TP2 x PP2 checkpoint one more step
+    # on one rank, the one-rank checkpoint one more step at TP2: the same sixth loss.
+    resumed = {}
+    for layout, nproc, flags in [("tp2pp2", 1, []), ("one", 2, ["--tensor-model-parallel-size", "2"])]:
+        log = tmp_path / f"resume_{layout}.json"
+        run("gpt_pretrain", "--load", tmp_path / layout, *TRAIN, "--train-iters", "6", *flags, "--log-json", log,
+            nproc=nproc, torchrun=True)
+        resumed[layout] = losses(log)
+    assert len(resumed["one"]) == 1 and resumed["tp2pp2"] == pytest.approx(resumed["one"], rel=1e-4)
