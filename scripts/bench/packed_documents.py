@@ -122,15 +122,14 @@ def main():
         return run
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    peers = {
-        "sdpa_full_causal": attention(lambda: sdpa(q, k, v, is_causal=True, scale=scale)),
-        "sdpa_dense_block_mask": attention(lambda: sdpa(q, k, v, attn_mask=block_mask, scale=scale)),
-        "megatorch_document_causal_attention": attention(lambda: mt.document_causal_attention(q, k, v, documents,
-                                                                                              scale)),
+    kernels = {
+        "sdpa_full_causal": lambda: sdpa(q, k, v, is_causal=True, scale=scale),
+        "sdpa_dense_block_mask": lambda: sdpa(q, k, v, attn_mask=block_mask, scale=scale),
+        "megatorch_document_causal_attention": lambda: mt.document_causal_attention(q, k, v, documents, scale),
     }
     with torch.no_grad():
-        diff = (peers["sdpa_dense_block_mask"]() - peers["megatorch_document_causal_attention"]()).abs().max().item()
-    attention_times = {name: timed(fn, a.reps) for name, fn in peers.items()}
+        diff = (kernels["sdpa_dense_block_mask"]() - kernels["megatorch_document_causal_attention"]()).abs().max().item()
+    attention_times = {name: timed(attention(fn), a.reps) for name, fn in kernels.items()}
 
     width = heads * d
     exact = {"full_causal": 4 * width * s * (s + 1) / 2 * a.num_layers,
