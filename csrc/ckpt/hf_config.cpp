@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <numeric>
 #include <fstream>
 #include <type_traits>
 #include <vector>
@@ -114,6 +115,41 @@ HFRope rope_of(const json& h, const std::string& arch, double fallback) {
   return out;
 }
 
+// Qwen3-MoE's experts: num_experts of moe_intermediate_size on the layers that are sparse
+// ((i + 1) % decoder_sparse_step == 0, not in mlp_only_layers; megatorch: every layer after
+// moe_first_k_dense dense ones of intermediate_size), routed by the softmax over all experts
+// and top-k, renormalised with norm_topk_prob (megatorch's default router: softmax over the
+// top-k logits) or not (moe_router_pre_softmax).
+void qwen3_moe_experts(const json& h, int64_t layers, TransformerConfig& c) {
+  const int64_t experts = h.contains("num_experts") ? size_field(h, "num_experts", 1)
+                                                    : size_field_or(h, "num_local_experts", 1, 128);
+  const int64_t topk = size_field_or(h, "num_experts_per_tok", 1, 8);
+  MEGATORCH_CHECK(topk <= experts, "Qwen3-MoE import: expected num_experts_per_tok (", topk, ") <= num_experts (",
+                  experts, "); fix the fields in config.json");
+  const int64_t step = size_field_or(h, "decoder_sparse_step", 1, 1);
+  MEGATORCH_CHECK(step == 1, "Qwen3-MoE import: decoder_sparse_step ", step, " is not supported: megatorch's MoE "
+                  "layers are every layer after the first dense ones (decoder_sparse_step 1)");
+  int64_t dense = 0;
+  if (h.contains("mlp_only_layers") && !h.at("mlp_only_layers").is_null()) {
+    const json& only = h.at("mlp_only_layers");
+    MEGATORCH_CHECK(only.is_array(), "config.json: expected 'mlp_only_layers' to be a list, got ", only.dump());
+    for (const auto& v : only) {
+      MEGATORCH_CHECK(v.is_number_integer() && v.get<int64_t>() == dense, "Qwen3-MoE import: mlp_only_layers ",
+                      only.dump(), " is not supported: megatorch's dense layers are the first ones, [0, 1, ..., k-1]");
+      ++dense;
+    }
+  }
+  MEGATORCH_CHECK(dense < layers, "Qwen3-MoE import: mlp_only_layers makes every layer dense; import it as a Qwen3");
+  const bool norm = get_or<bool>(h, "norm_topk_prob", false);
+  c.num_experts(experts)
+      .moe_router_topk(topk)
+      .moe_ffn_hidden_size(size_field_or(h, "moe_intermediate_size", 1, 768))
+      .moe_layer_freq(1)
+      .moe_first_k_dense(dense)
+      .moe_router_pre_softmax(!norm)
+      .moe_router_norm_topk_prob(false);
+}
+
 // Qwen2's and Qwen3's windows: with use_sliding_window, layer i slides when layer_types says
 // "sliding_attention" or, without layer_types, when i >= max_window_layers (as transformers
 // derives layer_types). Every layer sliding is kept as the window alone (no layer_types).
@@ -155,13 +191,14 @@ const char* to_string(HFArch a) {
     case HFArch::kQwen2: return "qwen2";
     case HFArch::kMixtral: return "mixtral";
     case HFArch::kQwen3: return "qwen3";
+    case HFArch::kQwen3Moe: return "qwen3_moe";
   }
   return "?";
 }
 
 HFArch parse_hf_arch(const std::string& s) {
   return util::parse_enum(s, {HFArch::kGPT2, HFArch::kLlama, HFArch::kMistral, HFArch::kQwen2, HFArch::kMixtral,
-                              HFArch::kQwen3},
+                              HFArch::kQwen3, HFArch::kQwen3Moe},
                           "a HuggingFace model_type");
 }
 
@@ -203,6 +240,31 @@ std::vector<std::string> mixtral_obstacles(const TransformerConfig& c) {
   return out;
 }
 
+std::vector<std::string> qwen3_moe_obstacles(const TransformerConfig& c) {
+  std::vector<std::string> out;
+  auto add = [&out](auto&&... parts) { out.push_back(c10::str(parts...)); };
+  if (c.num_experts() == 0) add("num_experts 0 (Qwen3-MoE has experts; a dense model is a Qwen3)");
+  if (!llama_shaped(c)) add("not Llama-shaped (Qwen3-MoE: RMSNorm, swiglu, rope over the whole head, no add_bias_linear)");
+  if (!c.qk_layernorm()) add("qk_layernorm false (Qwen3-MoE normalises q and k)");
+  if (c.qkv_bias() != c.proj_bias()) add("add_qkv_bias true (Qwen3-MoE's attention_bias covers q, k, v and o)");
+  if (c.add_mlp_bias()) add("add_mlp_bias true (Qwen3-MoE's MLPs have no biases)");
+  if (!c.layer_types().empty()) add("layer_types (Qwen3-MoE's window covers every layer or none)");
+  if (!c.causal_attention()) add("causal_attention false (Qwen3-MoE is a causal LM)");
+  if (c.num_experts() == 0) return out;
+  if (c.moe_layer_freq() != 1) add("moe_layer_freq ", c.moe_layer_freq(), " (Qwen3-MoE: decoder_sparse_step 1)");
+  if (c.moe_shared_expert_intermediate_size() != 0) add("a shared expert (Qwen3-MoE has none)");
+  if (c.moe_router_score_function() != transformer::RouterScore::kSoftmax) add("a sigmoid router (Qwen3-MoE: softmax)");
+  // Top-k of the softmax over all experts, renormalised (norm_topk_prob) or not: megatorch's
+  // top-k-then-softmax router is the renormalised one; pre_softmax without norm the other.
+  if (c.moe_router_pre_softmax() && c.moe_router_norm_topk_prob() && c.moe_router_topk() == 1)
+    add("moe_router_pre_softmax with moe_router_norm_topk_prob and moe_router_topk 1 (megatorch keeps the probability, "
+        "Qwen3-MoE's norm_topk_prob makes it 1)");
+  if (c.moe_router_topk_scaling_factor() != 1.0)
+    add("moe_router_topk_scaling_factor ", c.moe_router_topk_scaling_factor(), " (Qwen3-MoE: 1)");
+  if (c.moe_router_enable_expert_bias()) add("moe_router_enable_expert_bias true (Qwen3-MoE has no expert bias)");
+  return out;
+}
+
 bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
   if (!c.causal_attention()) return false;  // every supported HF model is a causal LM
   const bool dense = c.num_experts() == 0;
@@ -217,6 +279,7 @@ bool hf_arch_holds(HFArch a, const TransformerConfig& c) {
     case HFArch::kQwen2: return llama && qkv_only && !c.mlp_bias() && !c.qk_layernorm();
     case HFArch::kQwen3: return llama && !qkv_only && !c.mlp_bias() && c.qk_layernorm();
     case HFArch::kMixtral: return mixtral_obstacles(c).empty();
+    case HFArch::kQwen3Moe: return qwen3_moe_obstacles(c).empty();
   }
   return false;
 }
@@ -226,13 +289,15 @@ HFArch hf_arch_of(const TransformerConfig& c, const std::string& preferred) {
     const HFArch p = parse_hf_arch(preferred);
     if (hf_arch_holds(p, c)) return p;
   }
-  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kQwen3, HFArch::kMistral, HFArch::kMixtral})
+  for (HFArch a : {HFArch::kGPT2, HFArch::kLlama, HFArch::kQwen2, HFArch::kQwen3, HFArch::kMistral, HFArch::kMixtral,
+                   HFArch::kQwen3Moe})
     if (hf_arch_holds(a, c)) return a;
   if (c.num_experts() > 0) {
-    MEGATORCH_FAIL("HuggingFace export: the mixture-of-experts model cannot be written as Mixtral ",
-                   "(MixtralForCausalLM), the one mixture-of-experts architecture megatorch-hf writes: ",
-                   joined(mixtral_obstacles(c), "; "), ". These fields describe how the weights compute, "
-                   "so no config.json of Mixtral reproduces the model: keep it in megatorch's format");
+    MEGATORCH_FAIL("HuggingFace export: the mixture-of-experts model can be written neither as Mixtral ",
+                   "(MixtralForCausalLM: ", joined(mixtral_obstacles(c), "; "), ") nor as Qwen3-MoE ",
+                   "(Qwen3MoeForCausalLM: ", joined(qwen3_moe_obstacles(c), "; "), "). These fields describe how ",
+                   "the weights compute, so no config.json of either reproduces the model: keep it in megatorch's "
+                   "format");
   }
   MEGATORCH_FAIL("HuggingFace export: the model (", to_string(c.normalization()), ", ", to_string(c.activation()), ", ",
                  to_string(c.position_embedding_type()), ", rotary_percent ", c.rotary_percent(),
@@ -329,12 +394,14 @@ TransformerConfig config_from_hf(const json& h) {
                            : arch == HFArch::kMistral ? "Mistral"
                            : arch == HFArch::kQwen2   ? "Qwen2"
                            : arch == HFArch::kQwen3   ? "Qwen3"
+                           : arch == HFArch::kQwen3Moe ? "Qwen3-MoE"
                                                       : "Mixtral";
   const std::string act = get_or<std::string>(h, "hidden_act", "silu");
   MEGATORCH_CHECK(act == "silu" || act == "swish", name, " import: hidden_act '", act,
                   "' is not supported (megatorch's SwiGLU uses silu)");
   // Only Llama's and Qwen3's modeling code reads these (q/k/v/o biases; gate/up/down biases).
-  const bool attention_bias = (arch == HFArch::kLlama || arch == HFArch::kQwen3) && get_or<bool>(h, "attention_bias", false);
+  const bool qwen3 = arch == HFArch::kQwen3 || arch == HFArch::kQwen3Moe;
+  const bool attention_bias = (arch == HFArch::kLlama || qwen3) && get_or<bool>(h, "attention_bias", false);
   const bool mlp_bias = arch == HFArch::kLlama && get_or<bool>(h, "mlp_bias", false);
   // transformers' default base where config.json has none: 1e6 for Mixtral, 1e4 otherwise.
   const HFRope rope = rope_of(h, name, arch == HFArch::kMixtral ? 1e6 : 1e4);
@@ -347,6 +414,9 @@ TransformerConfig config_from_hf(const json& h) {
   const int64_t layers = size_field(h, "num_hidden_layers", 1);
   HFWindow window;
   if (arch == HFArch::kMistral || arch == HFArch::kMixtral) window.window = size_field_or(h, "sliding_window", 0, 0);  // null: none
+  if (arch == HFArch::kQwen3Moe && get_or<bool>(h, "use_sliding_window", false)) {
+    window.window = size_field_or(h, "sliding_window", 0, 0);  // every layer's
+  }
   if (arch == HFArch::kQwen2 || arch == HFArch::kQwen3) window = qwen_window(h, layers);
   const int64_t positions = size_field(h, "max_position_embeddings", 1);
   // Dynamic NTK scales above max_position_embeddings, up to factor times it: the model's
@@ -375,7 +445,7 @@ TransformerConfig config_from_hf(const json& h) {
       .add_qkv_bias(arch == HFArch::kQwen2)
       .add_attention_bias(attention_bias)
       .add_mlp_bias(mlp_bias)
-      .qk_layernorm(arch == HFArch::kQwen3)
+      .qk_layernorm(qwen3)
       .tie_embeddings(get_or<bool>(h, "tie_word_embeddings", false));
   if (arch == HFArch::kMixtral) {
     // Every layer's MLP is num_local_experts SwiGLU experts of intermediate_size, k of them
@@ -392,6 +462,7 @@ TransformerConfig config_from_hf(const json& h) {
                     "fields in config.json");
     c.num_experts(experts).moe_router_topk(topk).moe_ffn_hidden_size(c.ffn()).moe_layer_freq(1).moe_first_k_dense(0);
   }
+  if (arch == HFArch::kQwen3Moe) qwen3_moe_experts(h, layers, c);
   validate_imported(c, name);
   return c;
 }
@@ -421,12 +492,13 @@ json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_
                     : arch == HFArch::kMistral ? "MistralForCausalLM"
                     : arch == HFArch::kQwen2   ? "Qwen2ForCausalLM"
                     : arch == HFArch::kQwen3   ? "Qwen3ForCausalLM"
+                    : arch == HFArch::kQwen3Moe ? "Qwen3MoeForCausalLM"
                                                : "MixtralForCausalLM";
   json j = {{"architectures", {cls}},
             {"model_type", to_string(arch)},
             {"vocab_size", c.vocab_size()},
             {"hidden_size", c.hidden_size()},
-            {"intermediate_size", arch == HFArch::kMixtral ? c.moe_ffn() : c.ffn()},
+            {"intermediate_size", arch == HFArch::kMixtral ? c.moe_ffn() : c.ffn()},  // Qwen3-MoE: the dense layers'
             {"num_hidden_layers", c.num_layers()},
             {"num_attention_heads", c.num_attention_heads()},
             {"num_key_value_heads", c.query_groups()},
@@ -463,6 +535,23 @@ json hf_config_from(const TransformerConfig& c, HFArch arch, const json& import_
     const json& st = import_state.is_object() ? import_state : json::object();
     j["router_aux_loss_coef"] = get_or<double>(st, "hf_router_aux_loss_coef", 0.0);
     j["router_jitter_noise"] = get_or<double>(st, "hf_router_jitter_noise", 0.0);
+  } else if (arch == HFArch::kQwen3Moe) {
+    // Sparse from layer moe_first_k_dense on; the router renormalises its top-k weights
+    // unless megatorch's takes them from the softmax over all experts (pre_softmax).
+    j["attention_bias"] = c.add_attention_bias();
+    j["use_sliding_window"] = c.sliding_window() > 0;
+    j["sliding_window"] = window;
+    j["num_experts"] = c.num_experts();
+    j["num_experts_per_tok"] = c.moe_router_topk();
+    j["moe_intermediate_size"] = c.moe_ffn();
+    j["decoder_sparse_step"] = 1;
+    std::vector<int64_t> dense(static_cast<size_t>(c.moe_first_k_dense()));
+    std::iota(dense.begin(), dense.end(), int64_t{0});
+    j["mlp_only_layers"] = dense;
+    j["norm_topk_prob"] = !c.moe_router_pre_softmax() || c.moe_router_norm_topk_prob();
+    j["output_router_logits"] = false;
+    const json& st = import_state.is_object() ? import_state : json::object();
+    j["router_aux_loss_coef"] = get_or<double>(st, "hf_router_aux_loss_coef", 0.0);
   } else {
     // Qwen2 and Qwen3: layer_types explicitly, as transformers 5 writes it; max_window_layers
     // (what 4.x reads) counts the leading full-attention layers.

@@ -91,16 +91,28 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 std::string layer(int64_t i) { return "layers." + std::to_string(i) + "."; }
 
-// Mixtral's experts of HF layer prefix `p` ("model.layers.3.") -> megatorch's MoE layer `l`.
-// Two layouts: the published one (and what save_pretrained writes), per expert under
-// block_sparse_moe (w1 gate, w3 up [F, h]; w2 down [h, F]); and transformers 5's in-memory
-// one under mlp (gate_up_proj [E, 2F, h] = [gate; up] rows, down_proj [E, h, F]).
-// megatorch's are input-major: fc1 [E, h, 2F] with [gate | up] columns, fc2 [E, F, h].
-void take_mixtral_experts(Tensors& hf, const std::string& p, const std::string& l, const TransformerConfig& c,
-                          std::map<std::string, at::Tensor>& out) {
+// Where an architecture keeps its experts, per expert (the published layout, and what
+// save_pretrained writes): Mixtral's block_sparse_moe.experts.e.w1 (gate) / w3 (up) / w2
+// (down); Qwen3-MoE's mlp.experts.e.gate_proj / up_proj / down_proj; the router is the
+// block's gate. Qwen3-MoE carries QK-norm, Mixtral cannot: the config tells them apart.
+struct ExpertNames {
+  std::string block, gate, up, down;
+};
+ExpertNames expert_names(const TransformerConfig& c) {
+  if (c.qk_layernorm()) return {"mlp.", "gate_proj", "up_proj", "down_proj"};
+  return {"block_sparse_moe.", "w1", "w3", "w2"};
+}
+
+// The experts of HF layer prefix `p` ("model.layers.3.") -> megatorch's MoE layer `l`: the
+// per-expert layout (gate, up [F, h]; down [h, F]), or transformers 5's in-memory one under
+// mlp (gate_up_proj [E, 2F, h] = [gate; up] rows, down_proj [E, h, F]). megatorch's are
+// input-major: fc1 [E, h, 2F] with [gate | up] columns, fc2 [E, F, h].
+void take_experts(Tensors& hf, const std::string& p, const std::string& l, const TransformerConfig& c,
+                  std::map<std::string, at::Tensor>& out) {
   const int64_t E = c.num_experts(), h = c.hidden_size(), F = c.moe_ffn();
+  const ExpertNames n = expert_names(c);
   const std::string fused = p + "mlp.experts.gate_up_proj";
-  const std::string moe = hf.has(fused) || hf.has(p + "mlp.gate.weight") ? p + "mlp." : p + "block_sparse_moe.";
+  const std::string moe = hf.has(fused) || hf.has(p + "mlp.gate.weight") ? p + "mlp." : p + n.block;
   out[l + "mlp.router.weight"] = hf.take(moe + "gate.weight", {E, h});
   if (hf.has(fused)) {
     out[l + "mlp.experts.fc1_weight"] = hf.take(fused, {E, 2 * F, h}).transpose(1, 2);
@@ -110,8 +122,8 @@ void take_mixtral_experts(Tensors& hf, const std::string& p, const std::string& 
   std::vector<at::Tensor> fc1, fc2;
   for (int64_t e = 0; e < E; ++e) {
     const std::string x = moe + "experts." + std::to_string(e) + ".";
-    fc1.push_back(at::cat({hf.take(x + "w1.weight", {F, h}), hf.take(x + "w3.weight", {F, h})}, 0).t());
-    fc2.push_back(hf.take(x + "w2.weight", {h, F}).t());
+    fc1.push_back(at::cat({hf.take(x + n.gate + ".weight", {F, h}), hf.take(x + n.up + ".weight", {F, h})}, 0).t());
+    fc2.push_back(hf.take(x + n.down + ".weight", {h, F}).t());
   }
   out[l + "mlp.experts.fc1_weight"] = at::stack(fc1);
   out[l + "mlp.experts.fc2_weight"] = at::stack(fc2);
@@ -201,7 +213,7 @@ std::map<std::string, at::Tensor> from_hf_tensors(const std::map<std::string, at
         out[l + "attention.k_norm.weight"] = hf.take(p + "self_attn.k_norm.weight", {d});
       }
       if (c.is_moe_layer(i)) {
-        take_mixtral_experts(hf, p, l, c, out);
+        take_experts(hf, p, l, c, out);
         continue;
       }
       out[l + "mlp.fc1.weight"] = at::cat(
@@ -282,15 +294,16 @@ std::map<std::string, at::Tensor> to_hf_tensors(const std::map<std::string, at::
       if (c.is_moe_layer(i)) {
         // The published per-expert layout: transformers 4.x's module names, which 5.x fuses
         // on load and splits again in save_pretrained.
-        const std::string moe = p + "block_sparse_moe.";
+        const ExpertNames n = expert_names(c);
+        const std::string moe = p + n.block;
         const int64_t F = c.moe_ffn();
         out[moe + "gate.weight"] = take(mt, l + "mlp.router.weight");
         const at::Tensor fc1 = take(mt, l + "mlp.experts.fc1_weight"), fc2 = take(mt, l + "mlp.experts.fc2_weight");
         for (int64_t e = 0; e < c.num_experts(); ++e) {
           const std::string x = moe + "experts." + std::to_string(e) + ".";
-          out[x + "w1.weight"] = fc1[e].narrow(1, 0, F).t();
-          out[x + "w3.weight"] = fc1[e].narrow(1, F, F).t();
-          out[x + "w2.weight"] = fc2[e].t();
+          out[x + n.gate + ".weight"] = fc1[e].narrow(1, 0, F).t();
+          out[x + n.up + ".weight"] = fc1[e].narrow(1, F, F).t();
+          out[x + n.down + ".weight"] = fc2[e].t();
         }
         continue;
       }
@@ -347,7 +360,7 @@ HFConversion import_hf(const std::string& hf_dir, const std::string& ckpt_dir, i
   // The model_type, so that an export writes the same architecture back (a Mistral without a
   // window is a Llama in shape, and would otherwise be exported as one).
   state.state = {{"imported_from", hf_dir}, {"hf_model_type", to_string(arch)}};
-  if (arch == HFArch::kMixtral) {  // HF training settings megatorch does not use, for the export
+  if (arch == HFArch::kMixtral || arch == HFArch::kQwen3Moe) {  // HF training settings megatorch does not use
     state.state["hf_router_aux_loss_coef"] = get_or<double>(hf_config, "router_aux_loss_coef", 0.001);
     state.state["hf_router_jitter_noise"] = get_or<double>(hf_config, "router_jitter_noise", 0.0);
   }

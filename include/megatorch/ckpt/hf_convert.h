@@ -3,7 +3,8 @@
 // names and config.json, for GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM, with
 // attention_bias / mlp_bias), Mistral (MistralForCausalLM: Llama + sliding_window), Qwen2
 // (Qwen2ForCausalLM: Llama + q/k/v biases, sliding windows per layer), Qwen3
-// (Qwen3ForCausalLM: Llama + per-head QK RMSNorm, as Qwen2's windows) and Mixtral (MixtralForCausalLM: Mistral with a mixture of SwiGLU experts in
+// (Qwen3ForCausalLM: Llama + per-head QK RMSNorm, as Qwen2's windows), Qwen3-MoE
+// (Qwen3MoeForCausalLM: Qwen3 with mixtures of SwiGLU experts) and Mixtral (MixtralForCausalLM: Mistral with a mixture of SwiGLU experts in
 // every layer). A config.json field the model cannot honour is an error naming the field.
 // import_hf writes a megatorch checkpoint (loadable at any TP x PP), export_hf reads one
 // (saved at any layout) and writes a directory transformers' from_pretrained loads.
@@ -24,22 +25,24 @@
 
 namespace megatorch::ckpt {
 
-enum class HFArch { kGPT2, kLlama, kMistral, kQwen2, kMixtral, kQwen3 };
-// the HuggingFace model_type: "gpt2" | "llama" | "mistral" | "qwen2" | "mixtral" | "qwen3"
+enum class HFArch { kGPT2, kLlama, kMistral, kQwen2, kMixtral, kQwen3, kQwen3Moe };
+// the HuggingFace model_type: "gpt2" | "llama" | "mistral" | "qwen2" | "mixtral" | "qwen3" | "qwen3_moe"
 const char* to_string(HFArch a);
 HFArch parse_hf_arch(const std::string& s);
 
 // Whether `arch` can express this configuration exactly (Llama: no window, no QKV bias
 // without the output projection's; Mistral: no biases, every layer slides or none; Qwen2:
 // QKV bias and no other; Qwen3: QK-norm, attention biases or none; all of them dense;
-// Mixtral: experts in every layer, routed as mixtral_obstacles describes).
+// Mixtral: experts in every layer, routed as mixtral_obstacles describes; Qwen3-MoE: Qwen3's
+// attention, experts after moe_first_k_dense dense layers, as qwen3_moe_obstacles describes).
 bool hf_arch_holds(HFArch arch, const transformer::TransformerConfig& config);
 // What keeps a mixture-of-experts configuration from being a Mixtral, one entry per
 // megatorch field ("moe_router_score_function sigmoid (Mixtral: softmax)"); empty when it is one.
 std::vector<std::string> mixtral_obstacles(const transformer::TransformerConfig& config);
+std::vector<std::string> qwen3_moe_obstacles(const transformer::TransformerConfig& config);
 // The architecture a megatorch configuration is exported as: `preferred` (the model_type an
 // import recorded) when it holds the configuration, else the first of GPT-2, Llama, Qwen2,
-// Qwen3, Mistral, Mixtral that does; an error naming what no architecture has (for a mixture of
+// Qwen3, Mistral, Mixtral, Qwen3-MoE that does; an error naming what no architecture has (for a mixture of
 // experts: each field Mixtral cannot represent).
 HFArch hf_arch_of(const transformer::TransformerConfig& config, const std::string& preferred = "");
 // config.json -> TransformerConfig (options it cannot honour are errors that name them).

@@ -1,5 +1,6 @@
 """Today's open model families against transformers: Qwen3 (per-head QK RMSNorm, heads x
-head_dim != hidden_size, attention biases, a sliding window on some layers), Llama with
+head_dim != hidden_size, attention biases, a sliding window on some layers), Qwen3-MoE (a
+dense first layer, renormalised or raw top-k router weights), Llama with
 attention_bias / mlp_bias, Mistral with a window shorter than the sequence and Qwen2 with
 full and sliding layers mixed (max_window_layers, no layer_types in config.json).
 
@@ -49,6 +50,18 @@ FAMILIES = {
     "qwen2_mixed": ("Qwen2Config", "Qwen2ForCausalLM",
                     dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
                     dict(add_qkv_bias=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"])),
+    # Layer 0 dense (mlp_only_layers), layer 1 four experts of 24, top-2 renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                       mlp_only_layers=[0]),
+                  dict(qk_layernorm=True, kv_channels=16, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                       moe_first_k_dense=1, moe_router_pre_softmax=False)),
+    # Every layer sparse, the top-2 softmax probabilities as they are, a window.
+    "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                               dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                    norm_topk_prob=False, use_sliding_window=True, sliding_window=WINDOW),
+                               dict(num_experts=4, moe_first_k_dense=0, moe_router_pre_softmax=True,
+                                    moe_router_norm_topk_prob=False, sliding_window=WINDOW)),
 }
 
 
@@ -170,7 +183,7 @@ def losses(path):
     return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines() if "loss" in json.loads(line)]
 
 
-@pytest.mark.parametrize("name", ["qwen3_window_bias", "llama_biases", "qwen2_mixed"])
+@pytest.mark.parametrize("name", ["qwen3_window_bias", "llama_biases", "qwen2_mixed", "qwen3_moe"])
 def test_import_train_at_tp2_pp2_export_gives_megatorchs_loss(imported, tmp_path, name):
     _, _, ckpt = imported[name]
     got = {}
