@@ -217,3 +217,39 @@ def test_import_train_at_tp2_pp2_export_gives_megatorchs_loss(imported, tmp_path
             nproc=nproc, torchrun=True)
         resumed[layout] = losses(log)
     assert len(resumed["one"]) == 1 and resumed["tp2pp2"] == pytest.approx(resumed["one"], rel=1e-4)
+
+
+def test_gpt_pretrain_flags_build_the_families_at_tp2(tmp_path):
+    """--qk-layernorm, --kv-channels, --add-attention-bias and --add-mlp-bias from scratch: TP2
+    (with SP) gives one rank's losses, the checkpoint records them, and the export is a Qwen3
+    (QK-norm with attention biases) that transformers loads with megatorch's logits."""
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--lr", "3e-3", "--data-path", str(DATA), "--position-embedding-type", "rope",
+             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--add-attention-bias",
+             "--train-iters", "3", "--eval-iters", "0", "--seed", "5"]
+    got = {}
+    for tp, extra in [(1, []), (2, ["--sequence-parallel"])]:
+        log = tmp_path / f"tp{tp}.json"
+        run("gpt_pretrain", *flags, "--tensor-model-parallel-size", tp, *extra, "--log-json", log, "--save",
+            tmp_path / f"ckpt{tp}", nproc=tp, torchrun=True)
+        got[tp] = losses(log)
+    assert got[2] == pytest.approx(got[1], rel=1e-5)
+    config = mt.checkpoint_config(str(tmp_path / "ckpt2"))
+    assert (config.qk_layernorm, config.kv_channels, config.add_attention_bias, config.add_mlp_bias) == \
+        (True, 16, True, False)
+    run("megatorch-hf", "export", "--load", tmp_path / "ckpt2", "--hf-dir", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 16 and hf.config.attention_bias
+    model = mt.GPTModel(config)
+    mt.load_checkpoint(model, str(tmp_path / "ckpt2"))
+    x = torch.randint(257, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert_close(model(x)[:, :, :257].transpose(0, 1), hf(input_ids=x).logits[:, :, :257])
+    # --add-mlp-bias as well: a Llama (attention_bias and mlp_bias), no QK-norm.
+    out = launch("gpt_pretrain", *[f for f in flags if f != "--qk-layernorm"], "--add-mlp-bias", "--train-iters", "1",
+                 "--save", tmp_path / "llama", torchrun=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run("megatorch-hf", "export", "--load", tmp_path / "llama", "--hf-dir", tmp_path / "llama_hf")
+    llama = transformers.AutoConfig.from_pretrained(tmp_path / "llama_hf")
+    assert (llama.model_type, llama.attention_bias, llama.mlp_bias) == ("llama", True, True)
