@@ -17,8 +17,9 @@
 # from Python against eager PyTorch, torch.compile, torchtitan, Megatron-Core and torchao's
 # float8 training ($MEGATORCH_TORCHAO_PATH); the sync
 # check, the goal against pretrain.json) with profile_megatorch_1.3B.json.gz and
-# profile_eager_1.3B.json.gz (Chrome traces), kernels.json (scripts/bench/gpu_kernels.py)
-# and gpu_check.log. Meant to finish in under 8 minutes (MEGATORCH_GPU_CHECK_LIMIT_S,
+# profile_eager_1.3B.json.gz (Chrome traces), packed_documents/results.json
+# (scripts/bench/packed_documents.py at the 1.3B shape in bf16: document masks against full
+# causal attention), kernels.json (scripts/bench/gpu_kernels.py) and gpu_check.log. Meant to finish in under 8 minutes (MEGATORCH_GPU_CHECK_LIMIT_S,
 # default 480): the pretrain step gets MEGATORCH_PRETRAIN_S (default 200; its checks run in
 # priority order and what no longer fits is skipped with the reason), the GPT benchmark
 # what is left less 60 s (at least 90 s; MEGATORCH_GPT_BENCH_S sets it), the kernel
@@ -49,7 +50,7 @@ LOG="$RESULTS/gpu_check.log"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$MT_ROOT/torch_ext${PYTHONPATH:+:$PYTHONPATH}"
 export MEGATORCH_LIBRARY="$MEGATORCH_BUILD_DIR/lib/libmegatorch.so" MEGATORCH_BIN_DIR="$MEGATORCH_BUILD_DIR/bin"
 
-STEPS=(env build gpu_tests pretrain gpt_bench report kernel_bench)
+STEPS=(env build gpu_tests pretrain gpt_bench report packed_bench kernel_bench)
 GPU=false
 elapsed() { echo $(( $(date +%s) - START )); }
 
@@ -158,6 +159,14 @@ step_gpt_bench() {
 step_report() {
   # pretrain.md with the eager and torch.compile rows of the same run beside gpt_pretrain's.
   "$PY" "$MT_ROOT/scripts/bench/gpu_pretrain.py" --render --out "$RESULTS/pretrain.json" --gpt-json "$RESULTS/gpt.json"
+}
+
+step_packed_bench() {
+  # Packed documents at the 1.3B GPT's shape (docs/data.md): full causal vs document masks.
+  [[ $GPU == true ]] || { echo "no GPU: the CPU numbers are docs/data.md's"; return 0; }
+  "$PY" "$MT_ROOT/scripts/bench/packed_documents.py" --device cuda --dtype bfloat16 --seq-length 4096 \
+    --mean-document-length 512 --hidden-size 2048 --num-layers 24 --num-attention-heads 16 --reps 3 \
+    --out "$RESULTS/packed_documents"
 }
 
 step_kernel_bench() {

@@ -18,7 +18,8 @@ with the end-of-document token. Side by side, in one process, fp32:
   booleans); megatorch's document_causal_attention (no mask, one SDPA per document), whose
   output is checked against the peer's.
 
-Attention-core FLOPs (Q K^T and P V, forward) are counted exactly (causal: each query's
+On a GPU (--device cuda --dtype bfloat16, scripts/gpu_check.sh) the same at the 1.3B
+GPT's shape. Attention-core FLOPs (Q K^T and P V, forward) are counted exactly (causal: each query's
 visible keys) and as megatorch-plan counts them (the full square of the sequence, or of each
 document with --mean-document-length). Median of --reps timed repetitions after one warm-up.
 Writes OUT/results.json and prints the table.
@@ -68,22 +69,29 @@ def main():
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (scripts/gpu_check.sh: the 1.3B GPT in bf16)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "runs" / "packed_documents"))
     a = p.parse_args()
-    s, heads = a.seq_length, 4
+    s, heads = a.seq_length, a.num_attention_heads
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     lengths = document_lengths(s, a.mean_document_length, a.seed)
     g = torch.Generator().manual_seed(a.seed)
     tokens = torch.randint(EOD, (1, s), generator=g)
     ends = torch.tensor(lengths).cumsum(0) - 1
     tokens[0, ends] = EOD
     labels = torch.randint(EOD, (1, s), generator=g)
+    tokens, labels = tokens.to(device), labels.to(device)
     positions, documents = mt.pack_documents(tokens, EOD)
     assert int(documents.max()) + 1 == len(lengths)
 
     config = mt.TransformerConfig(hidden_size=a.hidden_size, num_attention_heads=heads, num_layers=a.num_layers,
                                   seq_length=s, vocab_size=EOD + 1, position_embedding_type="rope",
-                                  normalization="RMSNorm", activation="swiglu", add_bias_linear=False, seed=3)
+                                  normalization="RMSNorm", activation="swiglu", add_bias_linear=False, seed=3,
+                                  params_dtype=dtype, device=device)
     model = mt.GPTModel(config)
     ce = torch.nn.functional.cross_entropy
 
@@ -91,8 +99,9 @@ def main():
         def run():
             model.zero_grad()
             logits = model(tokens, **packed)[:, 0, :EOD + 1]
-            loss = ce(logits, labels[0], reduction="sum")
+            loss = ce(logits.float(), labels[0], reduction="sum")
             loss.backward()
+            sync()
             return loss
         return run
 
@@ -102,14 +111,14 @@ def main():
         separate, start = 0.0, 0
         for n in lengths:
             out = model(tokens[:, start:start + n])[:, 0, :EOD + 1]
-            separate += ce(out, labels[0, start:start + n], reduction="sum").item()
+            separate += ce(out.float(), labels[0, start:start + n], reduction="sum").item()
             start += n
     model_times = {"full_causal": timed(full_causal, a.reps), "packed": timed(packed, a.reps)}
 
     d = a.hidden_size // heads
-    q, k, v = (torch.randn(1, heads, s, d, generator=g).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(1, heads, s, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
     row = documents[0]
-    block_mask = (row.unsqueeze(1) == row.unsqueeze(0)) & torch.ones(s, s, dtype=torch.bool).tril()
+    block_mask = (row.unsqueeze(1) == row.unsqueeze(0)) & torch.ones(s, s, dtype=torch.bool, device=device).tril()
     scale = d ** -0.5
 
     def attention(fn):
@@ -117,7 +126,8 @@ def main():
             for t in (q, k, v):
                 t.grad = None
             out = fn()
-            out.square().sum().backward()
+            out.float().square().sum().backward()
+            sync()
             return out
         return run
 
@@ -128,7 +138,7 @@ def main():
         "megatorch_document_causal_attention": lambda: mt.document_causal_attention(q, k, v, documents, scale),
     }
     with torch.no_grad():
-        diff = (kernels["sdpa_dense_block_mask"]() - kernels["megatorch_document_causal_attention"]()).abs().max().item()
+        diff = (kernels["sdpa_dense_block_mask"]() - kernels["megatorch_document_causal_attention"]()).float().abs().max().item()
     attention_times = {name: timed(attention(fn), a.reps) for name, fn in kernels.items()}
 
     width = heads * d
@@ -137,7 +147,8 @@ def main():
     planner = {"full_causal": 4 * width * s * s * a.num_layers,
                "packed": 4 * width * s * min(s, a.mean_document_length) * a.num_layers}
     results = {
-        "cpu": cpu_name(), "threads": torch.get_num_threads(), "seq_length": s,
+        "cpu": cpu_name(), "threads": torch.get_num_threads(), "device": str(device), "dtype": a.dtype,
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "seq_length": s,
         "mean_document_length": a.mean_document_length, "documents": len(lengths),
         "hidden_size": a.hidden_size, "num_layers": a.num_layers, "reps": a.reps,
         "loss": {"packed": packed_loss, "documents_one_by_one": separate,
@@ -152,8 +163,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     t = attention_times
-    print(f"{s} tokens in {len(lengths)} documents (mean {a.mean_document_length}), {cpu_name()}, "
-          f"{torch.get_num_threads()} threads, fp32")
+    where = results["gpu"] or f"{cpu_name()}, {torch.get_num_threads()} threads"
+    print(f"{s} tokens in {len(lengths)} documents (mean {a.mean_document_length}), {where}, {a.dtype}")
     print(f"model forward+backward: full causal {model_times['full_causal']:.3f} s, packed "
           f"{model_times['packed']:.3f} s ({results['model_speedup']:.2f}x); packed loss {packed_loss:.6g} vs documents "
           f"one by one {separate:.6g} (rel. {results['loss']['relative_difference']:.1e})")
