@@ -13,9 +13,6 @@ Tiny randomly initialised models written by transformers, imported with megatorc
   on a batch equals megatorch's, and both runs resume at the other's layout with one loss.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +20,12 @@ import torch
 
 import transformers  # a requirement (requirements.txt): missing, this test fails, not skips
 import megatorch.cpp as mt
+from binaries import launch, run
 from tolerance import assert_close
 
 ROOT = Path(__file__).resolve().parents[3]
-BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", ROOT / "build" / "bin"))
 DATA = ROOT / "data" / "default" / "stdlib_docs_text_document"  # byte-level ids < 257
 VOCAB, SEQ, WINDOW, NEW = 300, 24, 6, 8
-ENV = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60")
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 # name -> (config class, model class, fields, what the import must make of them)
@@ -64,20 +60,6 @@ FAMILIES = {
                                     moe_router_norm_topk_prob=False, sliding_window=WINDOW)),
 }
 
-
-def launch(*args, nproc=1, torchrun=False):
-    cmd = [str(BIN / args[0])]
-    if nproc > 1 or torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--no-python", *cmd]
-    return subprocess.run([*cmd, *map(str, args[1:])], capture_output=True, text=True, errors="replace",
-                          timeout=600, env=ENV)
-
-
-def run(*args, nproc=1, torchrun=False):
-    out = launch(*args, nproc=nproc, torchrun=torchrun)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return out.stdout
 
 
 def hf_model(name):

@@ -10,9 +10,6 @@ generate at TP1 and TP2; exported back, transformers loads the same RoPE. megato
 --rotary-percent trains, and its export is refused as no Llama rotates part of a head.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +17,10 @@ import torch
 
 import transformers  # a requirement (requirements.txt): missing, this test fails, not skips
 import megatorch.cpp as mt  # noqa: E402
+from binaries import launch, run
 from tolerance import assert_close
 
-BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", Path(__file__).resolve().parents[3] / "build" / "bin"))
 VOCAB, ORIGINAL, SEQ, NEW = 200, 8, 16, 6
-ENV = dict(os.environ, OMP_NUM_THREADS="1", MEGATORCH_COMM_TIMEOUT_S="60")
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
@@ -36,21 +32,6 @@ SCALINGS = {
                "original_max_position_embeddings": ORIGINAL},
 }
 
-
-def launch(*args, nproc=1, torchrun=False):
-    """build/bin/args[0] with args[1:]; under torchrun when more than one process or asked."""
-    cmd = [str(BIN / args[0])]
-    if nproc > 1 or torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--no-python", *cmd]
-    return subprocess.run([*cmd, *map(str, args[1:])], capture_output=True, text=True, errors="replace",
-                          timeout=300, env=ENV)
-
-
-def run(*args, nproc=1, torchrun=False):
-    out = launch(*args, nproc=nproc, torchrun=torchrun)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def hf_model(name):
