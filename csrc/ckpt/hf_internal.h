@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "megatorch/check.h"
+#include "megatorch/ckpt/hf_convert.h"
 #include "megatorch/transformer/config.h"
 
 namespace megatorch::ckpt::hf_detail {
@@ -57,6 +58,29 @@ T get_or(const json& j, const char* key, T fallback) {
   return j.contains(key) && !j.at(key).is_null() ? field<T>(j, key) : fallback;
 }
 
+
+// Sizes above this are no real model's and could overflow the products computed from them.
+inline constexpr int64_t kMaxSize = int64_t{1} << 40;
+
+// An integer field of config.json within [min, 2^40], named when it is not.
+inline int64_t size_field(const json& j, const char* key, int64_t min) {
+  const int64_t v = field<int64_t>(j, key);
+  MEGATORCH_CHECK(v >= min, "config.json: expected '", key, "' to be an integer >= ", min, ", got ", v,
+                  "; fix the field in config.json");
+  MEGATORCH_CHECK(v <= kMaxSize, "config.json: expected '", key, "' <= 2^40 (no model is larger), got ", v,
+                  "; fix the field in config.json");
+  return v;
+}
+
+inline int64_t size_field_or(const json& j, const char* key, int64_t min, int64_t fallback) {
+  return j.contains(key) && !j.at(key).is_null() ? size_field(j, key, min) : fallback;
+}
+
+// The mixtures of experts (hf_moe_config.cpp): what config.json's expert fields make of `c`
+// on import, and the fields an export of `arch` (Mixtral or Qwen3-MoE) adds to `j`.
+void mixtral_experts(const json& h, TransformerConfig& c);
+void qwen3_moe_experts(const json& h, int64_t layers, TransformerConfig& c);
+void add_moe_fields(const TransformerConfig& c, HFArch arch, const json& import_state, json& j);
 
 // The two model families the tensor layouts follow (GPT-2: LayerNorm, GELU, learned
 // positions, biases; Llama and its kin: RMSNorm, SwiGLU, RoPE, no linear biases).
