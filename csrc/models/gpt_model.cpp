@@ -146,7 +146,15 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input, const transformer::Pac
   // RoPE angles for the positions present: attention sees the whole sequence (gathered under SP).
   at::Tensor freqs = rope_freqs_;
   const int64_t tokens = c.sequence_parallel() ? h.size(0) * tp.size : h.size(0);
-  if (freqs.defined() && cp.size > 1) {
+  if (freqs.defined() && position_ids.defined()) {
+    // Packed positions restart in each document: every row's own angles, from the table of
+    // the whole sequence's positions (packed ones are smaller; under CP as well).
+    const int64_t s = tokens * cp.size;
+    if (s > rope_freqs_.size(0) || (dynamic_rope(c) && s != rope_freqs_.size(0))) {
+      rope_freqs_ = transformer::rope_frequencies(s, c, c.device());
+    }
+    freqs = transformer::rope_at_positions(rope_freqs_, position_ids);
+  } else if (freqs.defined() && cp.size > 1) {
     // This CP rank's positions are two chunks of the sequence: their angles.
     const at::Tensor& pos = positions(tokens);
     if (!cp_rope_freqs_.defined()) {
@@ -161,13 +169,6 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input, const transformer::Pac
     // Dynamic NTK's angles depend on the sequence's length: its own table.
     if (tokens > freqs.size(0) || dynamic_rope(c)) rope_freqs_ = transformer::rope_frequencies(tokens, c, c.device());
     freqs = tokens < rope_freqs_.size(0) ? rope_freqs_.narrow(0, 0, tokens) : rope_freqs_;
-  }
-  // Packed positions restart in each document: every row's own angles, from the table of
-  // the whole sequence's positions (packed ones are smaller).
-  if (freqs.defined() && position_ids.defined()) {
-    const int64_t s = tokens * cp.size;
-    const at::Tensor table = s <= rope_freqs_.size(0) ? rope_freqs_ : transformer::rope_frequencies(s, c, c.device());
-    freqs = transformer::rope_at_positions(table, position_ids);
   }
   const transformer::Documents documents = transformer::documents_of(packed);
   const auto run_layers = [&](at::Tensor x) {

@@ -83,6 +83,7 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
   // SDPA wants [b, heads, s, d].
   const at::Tensor qb = q.permute({1, 2, 0, 3}), kb = k.permute({1, 2, 0, 3}), vb = v.permute({1, 2, 0, 3});
   const double p = is_training() ? c.attention_dropout() : 0.0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim()));
   at::Tensor out;
   MEGATORCH_CHECK(!documents || c.causal_attention(), "ParallelAttention: packed documents need causal attention, "
                   "got causal_attention(false); drop --reset-attention-mask or build the model causal");
@@ -93,7 +94,7 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
     auto cp = ContextParallelAttentionOptions(c.context_parallel_group())
                   .comm_type(c.cp_comm_type())
                   .causal(c.causal_attention())
-                  .scale(1.0 / std::sqrt(static_cast<double>(c.head_dim())))
+                  .scale(scale)
                   .documents(documents)
                   .window(window);
     if (p > 0) {
@@ -106,7 +107,6 @@ at::Tensor ParallelAttentionImpl::core_attention(const at::Tensor& q, const at::
     // Each TP rank holds other heads: its attention dropout draws from its own stream.
     c10::optional<tp::RngTracker::Fork> fork;
     if (p > 0 && options.rng()) fork.emplace(*options.rng(), tp::kModelParallelRng);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim()));
     if (documents) {
       out = document_causal_attention(qb, kb, vb, documents->runs, p, scale, window);
     } else {
