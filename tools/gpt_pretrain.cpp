@@ -4,6 +4,7 @@
 // Flags follow Megatron-LM's names (--help lists them).
 #include <torch/torch.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -11,6 +12,9 @@
 #include "megatorch/train/trainer.h"
 
 int main(int argc, char** argv) {
+  // A file size limit fails a write with EFBIG, which the checkpoint writers report by
+  // file name (the previous checkpoint stays), instead of killing the rank silently.
+  std::signal(SIGXFSZ, SIG_IGN);
   try {
     bool help = false;
     auto args = megatorch::train::parse_arguments(argc, argv, &help);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -20,10 +21,12 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "megatorch/check.h"
 #include "megatorch/ckpt/crc32.h"
 #include "megatorch/ckpt/safetensors.h"
+#include "megatorch/comm/gather_strings.h"
 #include "megatorch/comm/group.h"
 #include "megatorch/io/atomic_file.h"
 #include "checkpoint_dir.h"
@@ -68,18 +71,7 @@ void agree(Ranks& r, const std::optional<std::string>& error, const std::string&
 }
 
 std::vector<std::string> all_gather_strings(Ranks& r, const std::string& s) {
-  if (!r.group) return {s};
-  at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::kLong);
-  const at::Tensor lens = r.group->all_gather(len);
-  const int64_t longest = lens.max().item<int64_t>();
-  at::Tensor buf = at::zeros({longest}, at::kByte);
-  std::memcpy(buf.data_ptr(), s.data(), s.size());
-  const at::Tensor all = r.group->all_gather(buf).view({r.size, longest});
-  std::vector<std::string> out;
-  for (int64_t i = 0; i < r.size; ++i) {
-    out.emplace_back(reinterpret_cast<const char*>(all[i].data_ptr()), lens[i].item<int64_t>());
-  }
-  return out;
+  return r.group ? comm::all_gather_strings(*r.group, s) : std::vector<std::string>{s};
 }
 
 std::string rank_filename(int64_t rank) {
@@ -213,19 +205,15 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& dir, const std
   return out;
 }
 
-void save_checkpoint(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
-                     const CheckpointState& state, const std::string& group) {
-  Ranks r(group);
-  const fs::path root(dir);
-  const fs::path final_dir = root / iteration_dirname(iteration);
-  const fs::path tmp_dir = root / (iteration_dirname(iteration) + ".tmp");
-  const std::string file = rank_filename(r.rank);
+namespace {
 
-  // 1. Check the entries; rank 0, which coordinates the save, takes the directory's lock
-  // (held until this function returns, however it returns) and then clears what failed
-  // saves left behind. Failing to take the lock fails every rank through agree().
-  std::optional<SaveLock> lock;
-  auto error = capture([&] {
+// A save's three steps. 1. Check the entries; rank 0, which coordinates the save, takes
+// the directory's lock (held until the save is published or abandoned) and clears what
+// failed saves left behind. Failing to take the lock fails every rank through agree().
+std::unique_ptr<SaveLock> begin_save(Ranks& r, const fs::path& root, int64_t iteration,
+                                     const std::vector<ShardedEntry>& entries) {
+  std::unique_ptr<SaveLock> lock;
+  const auto error = capture([&] {
     MEGATORCH_CHECK(iteration >= 0, "save_checkpoint: expected an iteration >= 0, got ", iteration);
     // A rank writes at most one piece of a tensor. It may hold more copies without writing
     // them: a tie whose copies share a rank (the V layout's embedding and head on rank 0).
@@ -238,45 +226,56 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
     }
     if (r.rank == 0) {
       fs::create_directories(root);
-      lock.emplace(root, iteration);
+      lock = std::make_unique<SaveLock>(root, iteration);
       clear_failed_saves(root);
-      fs::create_directories(tmp_dir);
+      fs::create_directories(root / (iteration_dirname(iteration) + ".tmp"));
     }
   });
   agree(r, error, "save_checkpoint (checking entries)");
+  return lock;
+}
 
-  // 2. Every rank writes its pieces and describes them.
-  json desc = {{"rank", r.rank}, {"file", nullptr}, {"pieces", json::array()}, {"held", json::array()},
-               {"rank_state", state.rank_state}};
-  error = capture([&] {
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& e : entries) {
-      if (!e.write) {
-        desc["held"].push_back(e.key);
-        continue;
-      }
-      json p = spec_json(e);
-      p["key"] = e.key;
-      p["shape"] = logical_shape(e);
-      p["name"] = e.key;
-      p["dtype"] = safetensors_dtype(e.tensor.scalar_type());
-      desc["pieces"].push_back(p);
-      tensors.emplace_back(e.key, e.tensor.reshape({-1}));
+// 2. This rank writes its pieces into the temporary directory and describes them (no
+// collective: the asynchronous save runs it on a writer thread).
+json write_rank_pieces(int64_t rank, const fs::path& tmp_dir, const std::vector<ShardedEntry>& entries,
+                       const json& rank_state) {
+  json desc = {{"rank", rank}, {"file", nullptr}, {"pieces", json::array()}, {"held", json::array()},
+               {"rank_state", rank_state}};
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& e : entries) {
+    if (!e.write) {
+      desc["held"].push_back(e.key);
+      continue;
     }
-    if (!tensors.empty()) {
-      const WrittenFile w = write_safetensors((tmp_dir / file).string(), tensors, {{"format", "megatorch-shard"}});
-      desc["file"] = file;
-      desc["bytes"] = w.bytes;
-      desc["crc32"] = w.crc32;
-    }
-  });
-  agree(r, error, "save_checkpoint (writing shards)");
+    json p = spec_json(e);
+    p["key"] = e.key;
+    p["shape"] = logical_shape(e);
+    p["name"] = e.key;
+    p["dtype"] = safetensors_dtype(e.tensor.scalar_type());
+    desc["pieces"].push_back(p);
+    tensors.emplace_back(e.key, e.tensor.reshape({-1}));
+  }
+  if (!tensors.empty()) {
+    const std::string file = rank_filename(rank);
+    const WrittenFile w = write_safetensors((tmp_dir / file).string(), tensors, {{"format", "megatorch-shard"}});
+    desc["file"] = file;
+    desc["bytes"] = w.bytes;
+    desc["crc32"] = w.crc32;
+  }
+  return desc;
+}
 
-  // 3. Rank 0 writes the metadata and publishes: rename, then `latest`. Every rank checks
-  // the assembled table, so a bad layout fails everywhere with the same message.
+// 3. Every rank learns whether any write failed; rank 0 writes the metadata and
+// publishes: rename, then `latest`. Every rank checks the assembled table, so a bad
+// layout fails everywhere with the same message.
+void publish_save(Ranks& r, const fs::path& root, int64_t iteration, const CheckpointState& state,
+                  const std::optional<std::string>& write_error, const json& desc) {
+  agree(r, write_error, "save_checkpoint (writing shards)");
+  const fs::path final_dir = root / iteration_dirname(iteration);
+  const fs::path tmp_dir = root / (iteration_dirname(iteration) + ".tmp");
   std::vector<json> ranks;
   for (const auto& s : all_gather_strings(r, desc.dump())) ranks.push_back(json::parse(s));
-  error = capture([&] {
+  const auto error = capture([&] {
     json meta = {{"format", "megatorch-checkpoint"}, {"version", kFormatVersion}, {"iteration", iteration},
                  {"world_size", r.size}, {"model_config", state.model_config}, {"state", state.state}};
     meta["tensors"] = assemble_tensors(ranks);
@@ -314,6 +313,110 @@ void save_checkpoint(const std::string& dir, int64_t iteration, const std::vecto
     io::write_file_atomically((root / kLatest).string(), std::to_string(iteration) + "\n");
   });
   agree(r, error, "save_checkpoint (publishing)");
+}
+
+// A copy the training step cannot change: host memory (pinned from a GPU, so the copy
+// is a DMA), contiguous.
+at::Tensor host_copy(const at::Tensor& t) {
+  const auto options = at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU).pinned_memory(t.is_cuda());
+  at::Tensor out = at::empty(t.sizes(), options);
+  out.copy_(t.detach());
+  return out;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
+                     const CheckpointState& state, const std::string& group) {
+  Ranks r(group);
+  const fs::path root(dir);
+  const auto lock = begin_save(r, root, iteration, entries);
+  json desc;
+  const auto error = capture([&] {
+    desc = write_rank_pieces(r.rank, root / (iteration_dirname(iteration) + ".tmp"), entries, state.rank_state);
+  });
+  publish_save(r, root, iteration, state, error, desc);
+}
+
+struct AsyncSave::Impl {
+  Ranks ranks;
+  fs::path root;
+  int64_t iteration = 0;
+  CheckpointState state;
+  std::unique_ptr<SaveLock> lock;
+  std::vector<ShardedEntry> entries;  // their tensors: host copies
+  json desc;
+  std::optional<std::string> error;
+  std::atomic<bool> written{false};
+  std::thread writer;
+  bool finished = false;
+  explicit Impl(const std::string& group) : ranks(group) {}
+};
+
+AsyncSave::AsyncSave(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
+                     const CheckpointState& state, const std::string& group, const AsyncSaveOptions& options)
+    : impl_(std::make_unique<Impl>(group)) {
+  Impl& s = *impl_;
+  s.root = dir;
+  s.iteration = iteration;
+  s.state = state;
+  s.lock = begin_save(s.ranks, s.root, iteration, entries);
+  // A failed copy (host memory exhausted) is reported at finish(), on every rank, as a
+  // writer's error is: the ranks stay in step.
+  s.error = capture([&] {
+    for (const auto& e : entries) {
+      ShardedEntry copy = e;
+      // What is not written here is only named in the description.
+      copy.tensor = e.write ? host_copy(e.tensor) : at::Tensor();
+      s.entries.push_back(std::move(copy));
+    }
+  });
+  if (s.error) {
+    s.entries.clear();
+    s.written = true;
+    return;
+  }
+  const auto delay = options.write_delay();
+  s.writer = std::thread([&s, delay] {
+    s.error = capture([&] {
+      if (delay.count() > 0) std::this_thread::sleep_for(delay);
+      s.desc = write_rank_pieces(s.ranks.rank, s.root / (iteration_dirname(s.iteration) + ".tmp"), s.entries,
+                                 s.state.rank_state);
+    });
+    s.entries.clear();  // the host copies go as soon as they are on disk
+    s.written = true;
+  });
+}
+
+AsyncSave::~AsyncSave() {
+  // Unpublished (an error elsewhere): the writer is joined; its iter_N.tmp is cleared by
+  // the next save, and `latest` still names the previous checkpoint.
+  if (impl_ && impl_->writer.joinable()) impl_->writer.join();
+}
+
+int64_t AsyncSave::iteration() const { return impl_->iteration; }
+
+bool AsyncSave::written_here() const { return impl_->written; }
+
+bool AsyncSave::written_everywhere() {
+  Impl& s = *impl_;
+  MEGATORCH_CHECK(!s.finished, "AsyncSave: iteration ", s.iteration, " was already published");
+  int64_t pending = s.written ? 0 : 1;
+  if (s.ranks.group) {
+    at::Tensor flag = at::full({1}, pending, at::kLong);
+    s.ranks.group->all_reduce(flag, comm::ReduceOp::kMax);
+    pending = flag.item<int64_t>();
+  }
+  return pending == 0;
+}
+
+void AsyncSave::finish() {
+  Impl& s = *impl_;
+  MEGATORCH_CHECK(!s.finished, "AsyncSave: iteration ", s.iteration, " was already published");
+  s.finished = true;
+  if (s.writer.joinable()) s.writer.join();
+  publish_save(s.ranks, s.root, s.iteration, s.state, s.error, s.desc);
+  s.lock.reset();
 }
 
 LoadedCheckpoint load_checkpoint(const std::string& dir, std::vector<ShardedEntry>& entries,

@@ -116,8 +116,8 @@ at::Tensor DistributedOptimizer::overflow_and_norm() {
     const at::Tensor n = at::linalg_vector_norm(g, 2);
     sum += (n * n).to(at::kDouble);
   };
-  // Only a loss scaler acts on an overflow: without one the pass over the gradients is skipped.
-  const bool check_finite = options_.loss_scaler() != nullptr;
+  // Only a loss scaler, or a NaN check, acts on an overflow: otherwise the pass is skipped.
+  const bool check_finite = options_.loss_scaler() != nullptr || options_.check_finite_grads();
   for (size_t b = 0; b < buckets.size(); ++b) {
     const auto& grad = buckets[b].grad_shard;
     const auto& place = layout.buckets[b];
@@ -454,6 +454,21 @@ std::vector<DistributedOptimizer::ParamStateShard> DistributedOptimizer::grad_sh
       out.push_back({i, in_param, in_param + n, {{"grad", g.narrow(0, at, n)}}});
     });
   }
+  return out;
+}
+
+std::vector<int64_t> DistributedOptimizer::nonfinite_grad_params() const {
+  std::vector<int64_t> out;
+  for (size_t b = 0; b < buffer_->buckets().size(); ++b) {
+    const at::Tensor& grad = buffer_->buckets()[b].grad_shard;
+    if (at::isfinite(grad).all().item<bool>()) continue;
+    buffer_->for_each_owned_slice(static_cast<int64_t>(b), [&](int64_t i, int64_t at, int64_t, int64_t n) {
+      if (!at::isfinite(grad.narrow(0, at, n)).all().item<bool>() && std::find(out.begin(), out.end(), i) == out.end()) {
+        out.push_back(i);
+      }
+    });
+  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 

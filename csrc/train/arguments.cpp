@@ -187,6 +187,27 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
                "load the weights only: iteration 0, fresh optimizer, data from the start, RNG not restored");
   app.add_flag("--no-load-optim", a.no_load_optim, "do not load the optimizer state (nor the loss scaler)");
   app.add_flag("--no-load-rng", a.no_load_rng, "do not restore the random generators' states");
+  app.add_flag("--async-save", a.async_save,
+               "write checkpoints in the background (copied to host memory first); latest moves when every rank's "
+               "files are complete");
+  // Fault tolerance
+  app.add_flag("--exit-signal-handler", a.exit_signal_handler,
+               "on SIGTERM or SIGINT finish the iteration, save (--save) and exit 0");
+  app.add_option("--exit-interval", a.exit_interval, "save and exit 0 after every this many iterations (0: never)");
+  app.add_option("--exit-duration-in-mins", a.exit_duration_in_mins,
+                 "save and exit 0 once this many minutes have passed (0: never)");
+  app.add_flag("--check-for-nan-in-loss-and-grad,!--no-check-for-nan-in-loss-and-grad", a.check_for_nan_in_loss_and_grad,
+               "stop before the optimizer step when the loss or the reduced gradients hold NaN or Inf (default on)");
+  app.add_option("--skip-nan-steps", a.skip_nan_steps,
+                 "skip up to this many steps whose loss or gradients are NaN / Inf (each logged), then stop");
+  app.add_option("--rerun-mode", a.rerun_mode,
+                 "validate_results: rerun a step whose loss is NaN / Inf or spikes, to tell a transient fault from "
+                 "a data fault (default: disabled)")
+      ->check(CLI::IsMember({"disabled", "validate_results"}));
+  app.add_option("--spike-threshold", a.spike_threshold,
+                 "--rerun-mode validate_results: a loss above this times the mean of the last 20 is rerun (default 10)");
+  app.add_flag("--log-straggler", a.log_straggler,
+               "each log interval: every rank's compute time, min/median/max and the slowest rank");
   // Evaluation and logging
   app.add_option("--eval-interval", a.eval_interval);
   app.add_option("--eval-iters", a.eval_iters);
@@ -391,6 +412,11 @@ void check_each_flag(const TrainArguments& a) {
   check_at_least("loss-scale-window", a.loss_scale_window, 1);
   check_at_least("hysteresis", a.hysteresis, 1);
   check_at_least("save-interval", a.save_interval, 0);
+  check_at_least("exit-interval", a.exit_interval, 0);
+  check_at_least("skip-nan-steps", a.skip_nan_steps, 0);
+  check_non_negative("exit-duration-in-mins", a.exit_duration_in_mins);
+  MEGATORCH_CHECK(std::isfinite(a.spike_threshold) && a.spike_threshold > 1, "gpt_pretrain: expected "
+                  "--spike-threshold to be a finite number > 1, got ", a.spike_threshold);
   check_at_least("eval-interval", a.eval_interval, 0);
   check_at_least("eval-iters", a.eval_iters, 0);
   check_at_least("log-interval", a.log_interval, 1);
@@ -516,6 +542,7 @@ void validate(TrainArguments& a, int64_t world) {
   MEGATORCH_CHECK(!a.eval_only || a.eval_iters > 0, "gpt_pretrain: --eval-only needs --eval-iters > 0, got ",
                   a.eval_iters);
   MEGATORCH_CHECK(a.save_interval == 0 || !a.save.empty(), "gpt_pretrain: --save-interval needs --save DIR");
+  MEGATORCH_CHECK(!a.async_save || !a.save.empty(), "gpt_pretrain: --async-save needs --save DIR");
   MEGATORCH_CHECK(!a.save_grads || !a.save.empty(), "gpt_pretrain: --save-grads needs --save DIR");
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
   MEGATORCH_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters < a.lr_decay_iters,

@@ -43,4 +43,23 @@ SyncDebugScope::~SyncDebugScope() {
   }
 }
 
+AllowedSync::AllowedSync(c10::Device device) {
+#ifdef MEGATORCH_WITH_CUDA
+  if (device.is_cuda()) {
+    auto& state = c10::cuda::warning_state();
+    previous_ = static_cast<int>(state.get_sync_debug_mode());
+    state.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    set_ = true;
+  }
+#else
+  (void)device;
+#endif
+}
+
+AllowedSync::~AllowedSync() {
+#ifdef MEGATORCH_WITH_CUDA
+  if (set_) c10::cuda::warning_state().set_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
+#endif
+}
+
 }  // namespace megatorch::train

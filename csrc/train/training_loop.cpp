@@ -25,6 +25,8 @@
 #include "megatorch/train/expert_parameters.h"
 #include "megatorch/train/device_memory.h"
 #include "megatorch/train/sync_debug.h"
+#include "exit_signals.h"
+#include "random_state.h"
 
 namespace megatorch::train {
 namespace {
@@ -43,6 +45,35 @@ int64_t resident_bytes() {
 int64_t next_loop_id() {
   static std::atomic<int64_t> n{0};
   return n++;
+}
+
+// log_straggler's summary of every rank's compute seconds.
+struct Straggler {
+  double min = 0, median = 0, max = 0;
+  int64_t slowest = 0;
+};
+Straggler straggler_of(const std::vector<double>& seconds) {
+  std::vector<double> sorted = seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  const double median = n % 2 == 1 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+  const auto slowest = std::max_element(seconds.begin(), seconds.end()) - seconds.begin();
+  return {sorted.front(), median, sorted.back(), static_cast<int64_t>(slowest)};
+}
+nlohmann::json straggler_json(const std::vector<double>& seconds) {
+  const Straggler s = straggler_of(seconds);
+  std::vector<double> ms;
+  for (const double v : seconds) ms.push_back(v * 1e3);
+  return {{"min_ms", s.min * 1e3}, {"median_ms", s.median * 1e3}, {"max_ms", s.max * 1e3},
+          {"slowest_rank", s.slowest}, {"rank_ms", ms}};
+}
+std::string straggler_line(const std::vector<double>& seconds) {
+  if (seconds.empty()) return "";
+  const Straggler s = straggler_of(seconds);
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), " | compute ms min/median/max: %.1f/%.1f/%.1f (slowest rank %ld)", s.min * 1e3,
+                s.median * 1e3, s.max * 1e3, static_cast<long>(s.slowest));
+  return buf;
 }
 
 std::string human(double bytes) {
@@ -67,6 +98,15 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
                   o.num_micro_batches(), ", ", o.virtual_chunks(), ", ", o.log_interval(), ", ", o.eval_iters());
   MEGATORCH_CHECK(o.zero_stage() >= 0 && o.zero_stage() <= 3, "TrainingLoop: expected zero_stage in 0..3, got ",
                   o.zero_stage());
+  MEGATORCH_CHECK(o.exit_interval() >= 0 && o.skip_nan_steps() >= 0 && std::isfinite(o.exit_duration_in_mins()) &&
+                      o.exit_duration_in_mins() >= 0,
+                  "TrainingLoop: expected exit_interval, skip_nan_steps and exit_duration_in_mins >= 0 (0: off), got ",
+                  o.exit_interval(), ", ", o.skip_nan_steps(), ", ", o.exit_duration_in_mins());
+  faults_ = FaultInjection::from_environment();
+  MEGATORCH_CHECK(o.rerun_mode() == "disabled" || o.rerun_mode() == "validate_results",
+                  "TrainingLoop: expected rerun_mode 'disabled' or 'validate_results', got '", o.rerun_mode(), "'");
+  MEGATORCH_CHECK(std::isfinite(o.spike_threshold()) && o.spike_threshold() > 1, "TrainingLoop: expected "
+                  "spike_threshold > 1 (a loss that many times the recent mean is rerun), got ", o.spike_threshold());
   // Names the schedules when unknown.
   schedule_kind_ = pipeline::parse_schedule_kind(o.schedule());
   if (pipeline::chunk_layout(schedule_kind_) == pipeline::ChunkLayout::kV) {
@@ -89,9 +129,23 @@ TrainingLoop::TrainingLoop(TrainingLoopOptions options) : options_(std::move(opt
   at::manual_seed(o.seed());
   lr_ = LRSchedule{o.lr(), o.min_lr(), o.lr_warmup_iters(), o.lr_decay_iters() > 0 ? o.lr_decay_iters() : o.train_iters(),
                    o.lr_decay_style()};
+  if (o.exit_signal_handler()) exit_signals::install();
 }
 
-TrainingLoop::~TrainingLoop() = default;
+TrainingLoop::~TrainingLoop() {
+  // A save still being written is published when the loop ends normally (every rank
+  // here together); while an exception unwinds, it is abandoned and `latest` keeps the
+  // previous checkpoint.
+  if (pending_save_ && std::uncaught_exceptions() == 0) {
+    try {
+      finish_checkpoint_save();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "megatorch: the asynchronous checkpoint save failed: %s\n", e.what());
+    }
+  }
+  pending_save_.reset();
+  if (options_.exit_signal_handler()) exit_signals::uninstall();
+}
 
 std::string TrainingLoop::tp_group() const { return state_->group_name(GroupKind::kTensor); }
 std::string TrainingLoop::pp_group() const {
@@ -134,8 +188,15 @@ void TrainingLoop::set_model(std::shared_ptr<pipeline::Stage> stage, const Param
                   "stage (ModuleStageOptions::device)");
   stage_ = std::move(stage);
   const auto& o = options_;
+  if (faults_.any_gradient_fault()) attach_fault_hooks();
   if (o.fp8().enabled()) tp::convert_to_fp8(stage_->stage_module(), o.fp8());
   fp8_recipe_ = tp::fp8_recipe_of(stage_->stage_module());
+  // A rerun must see the state the first run saw: FP8's delayed scaling and MoE's step
+  // statistics change during the forward.
+  MEGATORCH_CHECK(o.rerun_mode() == "disabled" || (fp8_recipe_ == "none" && moe::moe_layers(stage_->stage_module()).empty()),
+                  "TrainingLoop: rerun_mode validate_results runs a step twice from the same state, which FP8 ",
+                  "scaling (", fp8_recipe_, ") and MoE layers update during the forward; use --rerun-mode disabled ",
+                  "with them");
   MEGATORCH_CHECK(!o.fp16() || fp8_recipe_ == "none", "TrainingLoop: FP8 layers (", fp8_recipe_, ") with fp16 are "
                   "refused: fp16's loss scale would rescale the gradients FP8 quantises. Use bf16 or fp32 params");
   if (o.fp16()) {
@@ -247,6 +308,7 @@ optim::DistributedOptimizerOptions TrainingLoop::optimizer_options() const {
       .weight_decay(o.weight_decay())
       .clip_grad(o.clip_grad())
       .gradient_accumulation_fusion(o.gradient_accumulation_fusion())
+      .check_finite_grads(o.check_for_nan_in_loss_and_grad() || o.skip_nan_steps() > 0)
       .loss_scaler(scaler_);
 }
 
@@ -256,31 +318,46 @@ std::vector<optim::DistributedOptimizer*> TrainingLoop::optimizers() const {
   return out;
 }
 
-bool TrainingLoop::step_optimizers() {
-  if (moe_shape_.second == 0) return optimizer_->step();
+bool TrainingLoop::step_optimizers(const at::Tensor& loss) {
+  const bool check = options_.check_for_nan_in_loss_and_grad() || options_.skip_nan_steps() > 0;
+  if (moe_shape_.second == 0 && !check) return optimizer_->step();
+  // The check's reads (the norm here, the loss below) are its one deliberate synchronisation.
+  const AllowedSync deliberate(check ? state_->device() : c10::Device(c10::kCPU));
   optim::GradStats total = optimizer_->prepare_step();
   // The experts' part spans EP inside a stage; stages without experts add zeros to the
   // sum over the pipeline, which no optimizer's groups span.
   at::Tensor experts = at::zeros({2}, at::kDouble);
-  if (expert_optimizer_) {
+  if (moe_shape_.second > 0 && expert_optimizer_) {
     const optim::GradStats e = expert_optimizer_->prepare_step();
     experts[0] = e.overflow ? 1.0 : 0.0;
     experts[1] = e.sum_of_squares;
   }
-  if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(experts);
+  if (moe_shape_.second > 0 && state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(experts);
   total.overflow = total.overflow || experts[0].item<double>() > 0;
   total.sum_of_squares += experts[1].item<double>();
+  if (check) {
+    // A loss scaler owns non-finite gradients (it skips the step and lowers the scale).
+    const double l = loss.item<double>();
+    // Every element, counted in the norm or not (a TP-replicated copy on tp rank > 0).
+    const bool bad_grads = !scaler_ && (total.overflow || !std::isfinite(total.sum_of_squares));
+    if (!std::isfinite(l) || bad_grads) {
+      on_nonfinite_step(l, bad_grads, total.sum_of_squares);  // throws unless the step may be skipped
+      for (auto* opt : optimizers()) opt->skip_step();
+      return false;
+    }
+  }
   return optim::finish_step_together(optimizers(), total);
 }
 
 // Mean of the last stage's loss over DP, made known on every rank. Under CP each rank's
 // loss is c times its share of the sequence's (Stage::context_parallel_size), so the
 // mean over DP x CP is the DP mean of whole sequences.
-at::Tensor TrainingLoop::reduce_loss_on_device(const at::Tensor& loss) {
+at::Tensor TrainingLoop::reduce_loss_on_device(const at::Tensor& loss, double injected) {
   // Only the rank that holds the last virtual stage (the last rank, or rank 0 in a V) has it.
   // A copy: the all-reduce works in place.
   at::Tensor l = loss.defined() ? loss.detach().to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).reshape({1})
                                 : at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(state_->device()));
+  if (injected != 0) l += injected;
   if (state_->pp_size() > 1) comm::Group(pp_group()).all_reduce(l);
   comm::Group grads(grad_group());
   grads.all_reduce(l);
@@ -338,19 +415,54 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
   // Timed only where the timeline is drawn: on a GPU timing waits for the device.
   const bool draw_timeline =
       !options_.timeline().empty() && iteration_ + 1 == std::min<int64_t>(2, options_.train_iters());
-  const auto result = pipeline::run_pipeline_step(
-      *stage_, mbs,
-      pipeline::ExecutorOptions()
-          .schedule(schedule_kind_)
-          .time_compute(draw_timeline)
-          .loss_scale(scaler_ ? scaler_->scale() : 1.0)
-          .before_backward([opts](bool last) {
-            for (auto* opt : opts) opt->set_grad_sync(last);
-          }));
-  // (SP's partial sums and two-copy ties: the optimizer adds them.)
-  if (!optimizer_sums_ties_) stage_->allreduce_tied_grads();
+  // The straggler report: on logged iterations (the same on every rank, log_json or not).
+  const bool report_straggler = options_.log_straggler() && ((iteration_ + 1) % options_.log_interval() == 0 ||
+                                                             iteration_ + 1 == options_.train_iters());
+  const auto executor = pipeline::ExecutorOptions()
+                            .schedule(schedule_kind_)
+                            .time_compute(draw_timeline || report_straggler)
+                            .loss_scale(scaler_ ? scaler_->scale() : 1.0)
+                            .before_backward([opts](bool last) {
+                              for (auto* opt : opts) opt->set_grad_sync(last);
+                            });
+  const bool rerun_mode = options_.rerun_mode() == "validate_results";
+  const RandomState random_before = rerun_mode ? RandomState::capture(*stage_, state_->device()) : RandomState{};
+  // The forward and backward, and the loss reduced over the stages and DP (before the
+  // step, which checks it for NaN: check_for_nan_in_loss_and_grad). `run`: 1, or 2 for a rerun.
+  const auto forward_backward = [&](int run, pipeline::PipelineStepResult& result, at::Tensor& loss, double& own) {
+    result = pipeline::run_pipeline_step(*stage_, mbs, executor);
+    // (SP's partial sums and two-copy ties: the optimizer adds them.)
+    if (!optimizer_sums_ties_) stage_->allreduce_tied_grads();
+    const bool spike = faults_.loss_spike_iteration == iteration_ + 1 && faults_.loss_spike_rank == state_->rank() &&
+                       (run == 1 || faults_.loss_spike_persistent);
+    own = (result.loss.defined() && rerun_mode ? result.loss.item<double>() : 0.0) + (spike ? 1000.0 : 0.0);
+    loss = reduce_loss_on_device(result.loss, spike ? 1000.0 : 0.0);
+  };
+  pipeline::PipelineStepResult result;
+  at::Tensor loss;
+  double own = 0;
+  forward_backward(1, result, loss, own);
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  s.skipped = !step_optimizers();
+  if (rerun_mode) {
+    const double first = loss.item<double>();
+    if (suspicious_loss(first)) {
+      // Nothing of the first run is applied: its reductions finish, the step is skipped
+      // (as a loss scaler's overflow skips one), and the same step runs again.
+      for (auto* opt : opts) opt->prepare_step();
+      for (auto* opt : opts) opt->skip_step();
+      random_before.restore(*stage_, state_->device());
+      for (auto* opt : opts) opt->zero_grad();
+      const double own_first = own;
+      forward_backward(2, result, loss, own);
+      s.rerun = judge_rerun(first, loss.item<double>(), own_first, own);
+    }
+    const double applied = loss.item<double>();
+    if (std::isfinite(applied)) {
+      recent_losses_.push_back(applied);
+      if (recent_losses_.size() > 20) recent_losses_.erase(recent_losses_.begin());
+    }
+  }
+  s.skipped = !step_optimizers(loss);
   if (!s.skipped) ++lr_step_;
   if (moe_shape_.first > 0) {
     s.moe = moe::reduce_step_stats(stage_->stage_module(), state_->group_name(GroupKind::kWorld), moe_shape_,
@@ -358,7 +470,7 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
     // The biases move with the step's loads, as the weights with its gradients.
     if (!s.skipped) moe::update_expert_biases(stage_->stage_module(), s.moe);
   }
-  const at::Tensor loss = reduce_loss_on_device(result.loss);
+  if (report_straggler) s.rank_compute_seconds = gather_compute_seconds(result.busy_s);
   ++iteration_;
   s.seconds = s.host_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (draw_timeline) {
@@ -421,6 +533,8 @@ void TrainingLoop::log(const IterationStats& s, const std::map<std::string, int6
     for (const auto& [k, v] : device_mem) memory[k] = v;
     j["memory_bytes"] = memory;
     if (last_val_loss_ >= 0) j["val_loss"] = last_val_loss_;
+    if (!s.rank_compute_seconds.empty()) j["straggler"] = straggler_json(s.rank_compute_seconds);
+    if (!s.rerun.empty()) j["rerun"] = s.rerun;
     if (!s.moe.empty()) j["moe"] = s.moe.to_json();
     write_log_json(j);
   }
@@ -428,10 +542,11 @@ void TrainingLoop::log(const IterationStats& s, const std::map<std::string, int6
   if (s.iteration % options_.log_interval() == 0 || s.iteration == iters) {
     std::printf("\r [%s] iteration %6ld/%6ld | consumed samples: %9ld | elapsed time per iteration (ms): %.1f | "
                 "learning rate: %.3E | %s: %.6E | loss scale: %.1f | grad norm: %.3f | skipped: %d | "
-                "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)%s\n",
+                "tokens/s: %.0f | TFLOP/s per rank: %.4f | memory: %s (optimizer %s)%s%s\n",
                 "megatorch", s.iteration, iters, s.iteration * gbs, s.seconds * 1e3, s.lr,
                 options_.loss_name().c_str(), s.loss, s.loss_scale, s.grad_norm, s.skipped ? 1 : 0, tokens_per_s,
-                tflops, human(shown).c_str(), human(mem.at("total_bytes")).c_str(), s.moe.line().c_str());
+                tflops, human(shown).c_str(), human(mem.at("total_bytes")).c_str(), s.moe.line().c_str(),
+                straggler_line(s.rank_compute_seconds).c_str());
   } else {
     std::printf("\r  iteration %ld/%ld  loss %.4f  %.0f ms ", s.iteration, iters, s.loss, s.seconds * 1e3);
   }
@@ -446,6 +561,7 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
   // step time over them is right on a GPU too, where an unread step only queues work.
   auto since = Clock::now();
   int64_t unread = 0;
+  exit_reason_.clear();
   while (iteration_ < iters) {
     const PendingStats pending = run_step(train(iteration_));
     ++unread;
@@ -487,10 +603,25 @@ IterationStats TrainingLoop::train(const BatchSource& train, const BatchSource& 
       log_validation();
     }
     if (on_iteration) on_iteration(last);
+    // An asynchronous save is published once every rank's writer is done (one tiny
+    // all-reduce per iteration while one is in flight).
+    if (pending_save_ && pending_save_->written_everywhere()) finish_checkpoint_save();
     if (save_now) save_checkpoint();
+    exit_reason_ = exit_requested();
+    if (!exit_reason_.empty()) {
+      if (!options_.save().empty() && !save_now) save_checkpoint();
+      finish_checkpoint_save();
+      if (is_logging_rank()) {
+        std::printf("\n[megatorch] stopping after iteration %ld of %ld (%s)%s\n", iteration_, iters, exit_reason_.c_str(),
+                    options_.save().empty() ? ": no --save directory, nothing saved" : ", checkpoint saved");
+        std::fflush(stdout);
+      }
+      break;
+    }
     if (evaluated || save_now) since = Clock::now();  // neither counts as step time
     last_val_loss_ = -1;
   }
+  finish_checkpoint_save();
   return last;
 }
 

@@ -121,6 +121,8 @@ std::vector<ckpt::ShardedEntry> TrainingLoop::checkpoint_entries(bool with_grads
 }
 
 void TrainingLoop::save_checkpoint() {
+  // One save at a time: the one in flight is published first.
+  finish_checkpoint_save();
   const auto start = Clock::now();
   // ZeRO-3 keeps only shards: gather every unit so the model entries are readable.
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->gather_unit(u);
@@ -140,12 +142,42 @@ void TrainingLoop::save_checkpoint() {
   if (const auto tracker = stage_->rng_tracker()) {
     for (const auto& [name, state] : tracker->snapshot().states) st.rank_state["rng_streams"][name] = state_bytes(state);
   }
-  ckpt::save_checkpoint(options_.save(), iteration_, checkpoint_entries(options_.save_grads()), st,
-                        state_->group_name(GroupKind::kWorld));
+  const std::string world = state_->group_name(GroupKind::kWorld);
+  if (options_.async_save()) {
+    // The pieces are copied to host memory here; the writer thread takes it from there.
+    pending_save_ = std::make_unique<ckpt::AsyncSave>(
+        options_.save(), iteration_, checkpoint_entries(options_.save_grads()), st, world,
+        ckpt::AsyncSaveOptions().write_delay(std::chrono::milliseconds(faults_.slow_save_ms)));
+  } else {
+    ckpt::save_checkpoint(options_.save(), iteration_, checkpoint_entries(options_.save_grads()), st, world);
+  }
   for (int64_t u = 0; u < optimizer_->num_units(); ++u) optimizer_->release_unit(u);
+  save_started_ = Clock::now();
   if (is_logging_rank()) {
-    std::printf("\n[megatorch] saved checkpoint at iteration %ld to %s (%.2f s)\n", iteration_, options_.save().c_str(),
-                std::chrono::duration<double>(Clock::now() - start).count());
+    const double blocked = std::chrono::duration<double>(save_started_ - start).count();
+    if (options_.async_save()) {
+      std::printf("\n[megatorch] saving checkpoint at iteration %ld to %s in the background (training blocked %.3f s)\n",
+                  iteration_, options_.save().c_str(), blocked);
+    } else {
+      std::printf("\n[megatorch] saved checkpoint at iteration %ld to %s (%.3f s)\n", iteration_,
+                  options_.save().c_str(), blocked);
+    }
+    std::fflush(stdout);
+  }
+}
+
+void TrainingLoop::finish_checkpoint_save() {
+  if (!pending_save_) return;
+  const auto start = Clock::now();
+  // Released whatever publishing does: a failed save is not retried.
+  const std::unique_ptr<ckpt::AsyncSave> save = std::move(pending_save_);
+  save->finish();
+  if (is_logging_rank()) {
+    const auto now = Clock::now();
+    std::printf("\n[megatorch] saved checkpoint at iteration %ld to %s (asynchronously: published %.3f s after it "
+                "started, training blocked %.3f s here)\n",
+                save->iteration(), options_.save().c_str(), std::chrono::duration<double>(now - save_started_).count(),
+                std::chrono::duration<double>(now - start).count());
     std::fflush(stdout);
   }
 }

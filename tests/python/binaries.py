@@ -24,3 +24,17 @@ def run(*args, nproc=1, torchrun=False, timeout=600):
     out = launch(*args, nproc=nproc, torchrun=torchrun, timeout=timeout)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out.stdout
+
+
+def children(pid):
+    """The pids whose parent is `pid` (torchrun's workers), from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d.name))
+    return sorted(out)

@@ -22,7 +22,9 @@
 #include <torch/arg.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,43 @@ struct CheckpointState {
 // process. Collective over the group; it returns once the checkpoint is published.
 void save_checkpoint(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
                      const CheckpointState& state, const std::string& group = "");
+
+struct AsyncSaveOptions {
+  // Fault injection for tests: the writer sleeps this long before writing (a slow disk),
+  // so a kill can land while it writes.
+  TORCH_ARG(std::chrono::milliseconds, write_delay) = std::chrono::milliseconds(0);
+};
+
+// save_checkpoint with the writing in the background (Megatron's --async-save, DCP's
+// async_save). The constructor checks the entries and takes the directory's lock
+// (collective, as save_checkpoint's first step), copies this rank's pieces to host
+// memory (pinned from a GPU) and starts a writer thread: the caller may change the
+// tensors as soon as it returns. finish() waits for this rank's writer, then publishes
+// exactly as save_checkpoint does (metadata.json, rename, `latest`; collective), so
+// `latest` moves only once every rank's file is complete; a writer's error fails every
+// rank there. Destroyed unfinished (an exception elsewhere), the save is abandoned:
+// `latest` keeps naming the previous checkpoint and the next save clears the leftovers.
+// The writer thread does file I/O only; every collective runs on the calling thread.
+class AsyncSave {
+ public:
+  AsyncSave(const std::string& dir, int64_t iteration, const std::vector<ShardedEntry>& entries,
+            const CheckpointState& state, const std::string& group = "", const AsyncSaveOptions& options = {});
+  ~AsyncSave();
+  AsyncSave(const AsyncSave&) = delete;
+  AsyncSave& operator=(const AsyncSave&) = delete;
+
+  int64_t iteration() const;
+  // This rank's writer is done (no collective).
+  bool written_here() const;
+  // Every rank's writer is done: one small all-reduce over the group, so every rank gets
+  // the same answer and may call finish() together without waiting.
+  bool written_everywhere();
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 struct LoadOptions {
   TORCH_ARG(int64_t, iteration) = -1;  // -1: the one `latest` names

@@ -53,6 +53,9 @@ struct DistributedOptimizerOptions {
   TORCH_ARG(double, clip_grad) = 0.0;    // max global L2 norm; 0: no clipping
   // Required for fp16 parameters (fp16 gradients overflow without one); optional otherwise.
   TORCH_ARG(std::shared_ptr<DynamicLossScaler>, loss_scaler) = nullptr;
+  // Count non-finite gradients in prepare_step (GradStats::overflow) without a loss scaler
+  // too, every owned element whether counted in the norm or not (TrainingLoop's NaN check).
+  TORCH_ARG(bool, check_finite_grads) = false;
   // Model-parallel groups whose ranks hold other parts of the model (TP, PP): the global
   // gradient norm and the overflow flag are reduced over them (and over DP when sharded).
   TORCH_ARG(std::vector<std::string>, model_parallel_groups) = {};
@@ -160,6 +163,10 @@ class DistributedOptimizer {
   // The gradient the last step applied (reduced, averaged, fp32: "grad"), over the same
   // ranges; valid from the step until the next zero_grad.
   std::vector<ParamStateShard> grad_shards();
+  // The parameters (indices in the flattened list) whose reduced gradient in this rank's
+  // owned range holds a NaN or an Inf, after prepare_step: where a non-finite norm came
+  // from. One pass over the owned gradients, read on the host (a synchronisation).
+  std::vector<int64_t> nonfinite_grad_params() const;
   void copy_master_to_params();
   // The other direction, after the model's parameters were loaded in place (stage 3:
   // with every unit gathered): the owned shard and the fp32 masters take their values.

@@ -144,6 +144,16 @@ struct TrainArguments {
   bool finetune = false;             // weights only: iteration 0, fresh optimizer, data and RNG
   bool no_load_optim = false;
   bool no_load_rng = false;
+  bool async_save = false;  // checkpoints written in the background (TrainingLoopOptions::async_save)
+  // Fault tolerance (TrainingLoopOptions' fields of the same names)
+  bool exit_signal_handler = false;
+  int64_t exit_interval = 0;
+  double exit_duration_in_mins = 0;
+  bool check_for_nan_in_loss_and_grad = true;
+  int64_t skip_nan_steps = 0;
+  bool log_straggler = false;
+  std::string rerun_mode = "disabled";  // disabled | validate_results
+  double spike_threshold = 10.0;
   // Evaluation and logging
   int64_t eval_interval = 0;  // 0: only at the end
   int64_t eval_iters = 4;

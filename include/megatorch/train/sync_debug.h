@@ -27,4 +27,18 @@ class SyncDebugScope {
   int uncaught_ = 0;
 };
 
+// A deliberate synchronisation inside a checked step (the NaN check reads the loss and the
+// gradient norm once): the sync debug mode is off inside the scope, as it was before after.
+class AllowedSync {
+ public:
+  explicit AllowedSync(c10::Device device);
+  ~AllowedSync();
+  AllowedSync(const AllowedSync&) = delete;
+  AllowedSync& operator=(const AllowedSync&) = delete;
+
+ private:
+  bool set_ = false;
+  int previous_ = 0;
+};
+
 }  // namespace megatorch::train

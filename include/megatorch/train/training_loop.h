@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "megatorch/ckpt/checkpoint.h"
 #include "megatorch/ckpt/sharded_entry.h"
 #include "megatorch/fp8/recipe.h"
 #include "megatorch/moe/moe_stats.h"
@@ -33,6 +34,7 @@
 #include "megatorch/parallel/parallel_state.h"
 #include "megatorch/pipeline/executor.h"
 #include "megatorch/pipeline/stage.h"
+#include "megatorch/train/fault_injection.h"
 #include "megatorch/train/lr_schedule.h"
 #include "megatorch/train/model_parameters.h"
 
@@ -56,6 +58,12 @@ struct IterationStats {
   // bookkeeping cost: a step whose host time nears its wall time is launch-bound.
   double host_seconds = 0;
   moe::MoEStepReport moe;  // per MoE layer: losses and tokens per expert (empty: no experts)
+  // log_straggler, on logged iterations: each rank's compute time in the step (the
+  // schedule's forward and backward actions), by global rank; empty otherwise.
+  std::vector<double> rank_compute_seconds;
+  // rerun_mode validate_results: "" (no rerun), "transient" (the rerun differed; its step
+  // was applied) or "reproducible" (the rerun gave the same loss: a data or model fault).
+  std::string rerun;
 };
 
 // Iterations [first, last], counted from 1.
@@ -147,6 +155,38 @@ struct TrainingLoopOptions {
   // (default: model_config) must equal the saved one's same fields.
   TORCH_ARG(nlohmann::json, model_config) = nlohmann::json::object();
   TORCH_ARG(nlohmann::json, load_comparison) = nullptr;
+  // Fault tolerance (Megatron's flags). async_save: a save copies this rank's pieces to
+  // host memory and a background thread writes them; `latest` moves once every rank's
+  // file is complete (ckpt::AsyncSave), checked after each iteration. A new save waits
+  // for the previous; train() returns only after the last is published.
+  TORCH_ARG(bool, async_save) = false;
+  // On SIGTERM or SIGINT every rank finishes the iteration, saves (when `save` is set) and
+  // train() returns with exit_reason() set: a preempted job resumes from there. The same
+  // after every exit_interval iterations, or once exit_duration_in_mins have passed since
+  // the loop was made (0: never). One tiny all-reduce per iteration while any is on.
+  TORCH_ARG(bool, exit_signal_handler) = false;
+  TORCH_ARG(int64_t, exit_interval) = 0;
+  TORCH_ARG(double, exit_duration_in_mins) = 0;
+  // A NaN or Inf in the loss, or (without a loss scaler, which owns overflows) in the
+  // reduced gradients, stops the run before the optimizer step, naming the iteration and
+  // the ranks and parameters where the gradients were non-finite. Reading the loss and
+  // the norm is one device-to-host synchronisation per step on a GPU.
+  TORCH_ARG(bool, check_for_nan_in_loss_and_grad) = true;
+  // Instead skip up to this many such steps (nothing applied, each logged), then stop.
+  TORCH_ARG(int64_t, skip_nan_steps) = 0;
+  // On logged iterations (log_interval, the last): every rank's compute time in the step,
+  // min / median / max and the slowest rank, in the log line and log_json ("straggler").
+  // Timing the step's compute waits for the device once on a GPU.
+  TORCH_ARG(bool, log_straggler) = false;
+  // Megatron's re-run state machine: "disabled" or "validate_results". When a step's loss
+  // is NaN / Inf or above spike_threshold x the mean of the last 20 steps' losses, the step
+  // runs again from the same state (parameters, micro-batches, random generators) before
+  // anything is applied. A different loss is reported as a transient fault, naming the
+  // ranks whose own share of the loss differed, and the rerun's step is kept; the same
+  // loss as a data or model fault, naming the iteration's samples, and the step goes on as
+  // any other (the NaN check stops a NaN). Reads the loss every step (a GPU synchronisation).
+  TORCH_ARG(std::string, rerun_mode) = "disabled";
+  TORCH_ARG(double, spike_threshold) = 10.0;
 };
 
 class TrainingLoop {
@@ -189,8 +229,17 @@ class TrainingLoop {
   // Mean loss over `iters` batches of `source` (the schedule's forwards only; every rank
   // gets it); -1 when the source has nothing.
   double evaluate(const BatchSource& source, int64_t iters);
+  // Saves at the current iteration; with async_save, starts the save (after publishing
+  // the one in flight) and returns while it is written.
   void save_checkpoint();
+  // Waits for the asynchronous save in flight, if any, and publishes it (collective).
+  void finish_checkpoint_save();
   bool load_checkpoint();  // false when `load` holds none yet
+  // Why train() stopped before train_iters ("" when it did not): "signal SIGTERM",
+  // "exit interval 100", "exit duration 60 min".
+  const std::string& exit_reason() const { return exit_reason_; }
+  // NaN / Inf steps skipped so far (skip_nan_steps).
+  int64_t nan_steps_skipped() const { return nan_steps_skipped_; }
 
   int64_t iteration() const { return iteration_; }
   const TrainingLoopOptions& options() const { return options_; }
@@ -212,15 +261,30 @@ class TrainingLoop {
  private:
   // Both optimizers, dense first (the expert one where this stage has experts).
   std::vector<optim::DistributedOptimizer*> optimizers() const;
-  // One step of every optimizer: one norm over both, one loss-scaler update.
-  bool step_optimizers();
+  // One step of every optimizer: one norm over both, one loss-scaler update. With the
+  // NaN check, `loss` (the reduced loss, on the device) and the norm are checked first.
+  bool step_optimizers(const at::Tensor& loss);
+  // Stops the run, or skips the step (skip_nan_steps), after a non-finite loss or norm.
+  void on_nonfinite_step(double loss, bool bad_grads, double sum_of_squares);
+  // "" or why every rank stops now (the signal, the interval, the clock): collective.
+  std::string exit_requested();
+  // The fault injection's gradient hooks on this rank (fault_injection.h).
+  void attach_fault_hooks();
+  // rerun_mode: whether `loss` calls for a rerun on any rank, and the verdict on the two
+  // runs (every rank's own share of the loss in each names the ranks that differed). Both
+  // collective over the world.
+  bool suspicious_loss(double loss);
+  std::string judge_rerun(double first, double second, double own_first, double own_second);
+  // Every rank's compute seconds of the step (log_straggler): collective over the world.
+  std::vector<double> gather_compute_seconds(double busy_seconds);
   optim::DistributedOptimizerOptions optimizer_options() const;
   // `with_grads`: the optimizers' last gradients too (save_grads).
   std::vector<ckpt::ShardedEntry> checkpoint_entries(bool with_grads = false);
   std::vector<pipeline::MicroBatch> on_device(std::vector<pipeline::MicroBatch> micro_batches) const;
   // The last pipeline stage's loss averaged over DP (summed over CP), on every rank: on
   // the device (a 1-element double tensor), or read.
-  at::Tensor reduce_loss_on_device(const at::Tensor& last_stage_loss);
+  // `injected`: added to this rank's share first (fault injection).
+  at::Tensor reduce_loss_on_device(const at::Tensor& last_stage_loss, double injected = 0);
   double reduce_loss(const at::Tensor& last_stage_loss);
   // A step whose loss and gradient norm are still on the device.
   struct PendingStats {
@@ -253,6 +317,13 @@ class TrainingLoop {
   int64_t num_parameters_ = 0;
   std::ofstream json_;
   double last_val_loss_ = -1;
+  std::unique_ptr<ckpt::AsyncSave> pending_save_;  // async_save: written, not yet published
+  std::chrono::steady_clock::time_point save_started_;  // the last save's start (after its copy)
+  int64_t nan_steps_skipped_ = 0;
+  std::string exit_reason_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  FaultInjection faults_;
+  std::vector<double> recent_losses_;  // rerun_mode: the last 20 applied steps' losses
 };
 
 }  // namespace megatorch::train

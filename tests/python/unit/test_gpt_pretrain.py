@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from binaries import children
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(os.environ.get("MEGATORCH_BIN_DIR", ROOT / "build" / "bin"))
@@ -205,19 +206,6 @@ def test_two_nodes_tp_within_pp_across(tmp_path):
                           "--pipeline-model-parallel-size", "2", "--log-json", str(ref_log)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert losses(written[0]) == losses(ref_log)
-
-
-def children(pid):
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d.name))
-    return out
 
 
 def test_killed_rank_resumes_bit_for_bit(tmp_path):
