@@ -271,8 +271,6 @@ def test_bad_flags_are_refused_by_name():
     assert out.returncode == 1 and "iterations count from 1" in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.skipif(os.environ.get("MEGATORCH_SLOW_FAULTS") != "1",
-                    reason="slow case: set MEGATORCH_SLOW_FAULTS=1 (three kills and restarts, several minutes)")
 def test_three_kills_at_random_iterations_under_max_restarts(tmp_path, reference):
     """A random rank SIGKILLed at a random iteration, three times in one job: torchrun
     restarts every rank from the last checkpoint each time, and the job ends byte-identical
@@ -281,11 +279,12 @@ def test_three_kills_at_random_iterations_under_max_restarts(tmp_path, reference
     ref_ckpt, ref_losses = reference
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
     args = [*ARGS, "--save", str(ckpt), "--load", str(ckpt), "--log-json", str(log)]
-    proc = start(args, restarts=3)
+    # Rank 0 sleeps 150 ms in each backward, so the kills land while the job runs.
+    proc = start(args, faults="slow_rank@0:150", restarts=3)
     rng = random.Random(20261207)
     logged = 0
     for _ in range(3):
-        logged += rng.randint(2, 4)
+        logged += rng.randint(1, 3)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < logged):
             time.sleep(0.1)
@@ -297,7 +296,7 @@ def test_three_kills_at_random_iterations_under_max_restarts(tmp_path, reference
             time.sleep(0.1)
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-4000:]
-    assert output.count("loaded checkpoint") == 3, output[-4000:]
+    assert output.count("gpt_pretrain: world 4") == 4, output[-4000:]  # the first start and 3 restarts
     for r in map(json.loads, log.read_text().splitlines()):
         assert r["loss"] == ref_losses[r["iteration"]], r["iteration"]
     same_checkpoint(ref_ckpt, ckpt, ITERS)
