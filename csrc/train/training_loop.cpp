@@ -426,6 +426,11 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
                               for (auto* opt : opts) opt->set_grad_sync(last);
                             });
   const bool rerun_mode = options_.rerun_mode() == "validate_results";
+  // The rerun mode's reads of the loss are deliberate synchronisations (sync_debug.h).
+  const auto read = [this](const at::Tensor& t) {
+    const AllowedSync deliberate(state_->device());
+    return t.item<double>();
+  };
   const RandomState random_before = rerun_mode ? RandomState::capture(*stage_, state_->device()) : RandomState{};
   // The forward and backward, and the loss reduced over the stages and DP (before the
   // step, which checks it for NaN: check_for_nan_in_loss_and_grad). `run`: 1, or 2 for a rerun.
@@ -435,7 +440,7 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
     if (!optimizer_sums_ties_) stage_->allreduce_tied_grads();
     const bool spike = faults_.loss_spike_iteration == iteration_ + 1 && faults_.loss_spike_rank == state_->rank() &&
                        (run == 1 || faults_.loss_spike_persistent);
-    own = (result.loss.defined() && rerun_mode ? result.loss.item<double>() : 0.0) + (spike ? 1000.0 : 0.0);
+    own = (result.loss.defined() && rerun_mode ? read(result.loss) : 0.0) + (spike ? 1000.0 : 0.0);
     loss = reduce_loss_on_device(result.loss, spike ? 1000.0 : 0.0);
   };
   pipeline::PipelineStepResult result;
@@ -444,19 +449,20 @@ TrainingLoop::PendingStats TrainingLoop::run_step(const std::vector<pipeline::Mi
   forward_backward(1, result, loss, own);
   s.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   if (rerun_mode) {
-    const double first = loss.item<double>();
+    const double first = read(loss);
     if (suspicious_loss(first)) {
       // Nothing of the first run is applied: its reductions finish, the step is skipped
       // (as a loss scaler's overflow skips one), and the same step runs again.
+      const AllowedSync deliberate(state_->device());  // the rerun path is the exception, not the step
       for (auto* opt : opts) opt->prepare_step();
       for (auto* opt : opts) opt->skip_step();
       random_before.restore(*stage_, state_->device());
       for (auto* opt : opts) opt->zero_grad();
       const double own_first = own;
       forward_backward(2, result, loss, own);
-      s.rerun = judge_rerun(first, loss.item<double>(), own_first, own);
+      s.rerun = judge_rerun(first, read(loss), own_first, own);
     }
-    const double applied = loss.item<double>();
+    const double applied = read(loss);
     if (std::isfinite(applied)) {
       recent_losses_.push_back(applied);
       if (recent_losses_.size() > 20) recent_losses_.erase(recent_losses_.begin());

@@ -271,6 +271,30 @@ def test_bad_flags_are_refused_by_name():
     assert out.returncode == 1 and "iterations count from 1" in out.stderr, out.stderr[-2000:]
 
 
+def test_a_hung_rank_times_out_naming_the_collective_and_the_job_restarts(tmp_path, reference):
+    """SIGSTOP to one worker (a hang: a stuck driver, a dead NIC): the others' next
+    collective times out with an error naming the group, the operation and its sequence
+    number; torchrun stops every worker (SIGKILL reaches the stopped one) and restarts
+    them from the last checkpoint, and the job ends byte-identical to the uninterrupted run."""
+    ref_ckpt, ref_losses = reference
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    args = [*ARGS, "--save", str(ckpt), "--load", str(ckpt), "--log-json", str(log)]
+    env = dict(environment("slow_rank@0:100"), MEGATORCH_COMM_TIMEOUT_S="10")
+    proc = subprocess.Popen(command(args, restarts=1), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 6):
+        time.sleep(0.1)
+    os.kill(children(proc.pid)[2], signal.SIGSTOP)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert re.search(r"collective \w+ #\d+ on group '[^']+'.*timeout 10 s", output), output[-4000:]
+    assert output.count("gpt_pretrain: world 4") == 2, output[-4000:]
+    for r in map(json.loads, log.read_text().splitlines()):
+        assert r["loss"] == ref_losses[r["iteration"]], r["iteration"]
+    same_checkpoint(ref_ckpt, ckpt, ITERS)
+
+
 def test_three_kills_at_random_iterations_under_max_restarts(tmp_path, reference):
     """A random rank SIGKILLed at a random iteration, three times in one job: torchrun
     restarts every rank from the last checkpoint each time, and the job ends byte-identical
