@@ -8,15 +8,26 @@
 #endif
 
 namespace megatorch::train {
+namespace {
+
+#ifdef MEGATORCH_WITH_CUDA
+// Sets CUDA's sync debug mode and returns the one it replaces (as an int, as the headers keep it).
+int swap_sync_debug_mode(c10::cuda::SyncDebugMode mode) {
+  auto& state = c10::cuda::warning_state();
+  const int previous = static_cast<int>(state.get_sync_debug_mode());
+  state.set_sync_debug_mode(mode);
+  return previous;
+}
+#endif
+
+}  // namespace
 
 SyncDebugScope::SyncDebugScope(bool active, c10::Device device, int64_t iteration)
     : iteration_(iteration), uncaught_(std::uncaught_exceptions()) {
   if (!active) return;
 #ifdef MEGATORCH_WITH_CUDA
   if (device.is_cuda()) {
-    auto& state = c10::cuda::warning_state();
-    previous_ = static_cast<int>(state.get_sync_debug_mode());
-    state.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+    previous_ = swap_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
     set_ = true;
     return;
   }
@@ -33,7 +44,7 @@ SyncDebugScope::SyncDebugScope(bool active, c10::Device device, int64_t iteratio
 SyncDebugScope::~SyncDebugScope() {
   if (!set_) return;
 #ifdef MEGATORCH_WITH_CUDA
-  c10::cuda::warning_state().set_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
+  swap_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
 #endif
   if (std::uncaught_exceptions() > uncaught_) {
     std::fprintf(stderr,
@@ -46,9 +57,7 @@ SyncDebugScope::~SyncDebugScope() {
 AllowedSync::AllowedSync(c10::Device device) {
 #ifdef MEGATORCH_WITH_CUDA
   if (device.is_cuda()) {
-    auto& state = c10::cuda::warning_state();
-    previous_ = static_cast<int>(state.get_sync_debug_mode());
-    state.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    previous_ = swap_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
     set_ = true;
   }
 #else
@@ -58,7 +67,7 @@ AllowedSync::AllowedSync(c10::Device device) {
 
 AllowedSync::~AllowedSync() {
 #ifdef MEGATORCH_WITH_CUDA
-  if (set_) c10::cuda::warning_state().set_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
+  if (set_) swap_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
 #endif
 }
 
