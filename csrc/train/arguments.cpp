@@ -178,6 +178,9 @@ TrainArguments parse_arguments(int argc, char** argv, bool* help_printed) {
   // Checkpoints
   app.add_option("--save", a.save);
   app.add_option("--load", a.load);
+  app.add_option("--ckpt-step", a.ckpt_step,
+                 "load this iteration of --load instead of the one latest_checkpointed_iteration.txt names (e.g. the "
+                 "save before a damaged one)");
   app.add_option("--save-interval", a.save_interval);
   app.add_flag("--save-grads", a.save_grads,
                "also save the gradients each checkpoint's last step applied (optim/grad/<name>, never loaded)");
@@ -543,6 +546,8 @@ void validate(TrainArguments& a, int64_t world) {
                   a.eval_iters);
   MEGATORCH_CHECK(a.save_interval == 0 || !a.save.empty(), "gpt_pretrain: --save-interval needs --save DIR");
   MEGATORCH_CHECK(!a.async_save || !a.save.empty(), "gpt_pretrain: --async-save needs --save DIR");
+  MEGATORCH_CHECK(a.ckpt_step == -1 || (a.ckpt_step >= 0 && !a.load.empty()), "gpt_pretrain: --ckpt-step needs "
+                  "--load DIR and an iteration >= 0, got ", a.ckpt_step, a.load.empty() ? " without --load" : "");
   MEGATORCH_CHECK(!a.save_grads || !a.save.empty(), "gpt_pretrain: --save-grads needs --save DIR");
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
   MEGATORCH_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters < a.lr_decay_iters,

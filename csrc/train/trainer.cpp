@@ -70,6 +70,7 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
                .save_interval(a.save_interval)
                .save_grads(a.save_grads)
                .load(a.load)
+               .load_iteration(a.ckpt_step)
                .finetune(a.finetune)
                .load_optimizer(!a.no_load_optim)
                .load_rng(!a.no_load_rng)
@@ -112,7 +113,7 @@ TrainingLoopOptions loop_options(const TrainArguments& a) {
 
 Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   const auto env = parallel::LaunchEnv::from_environment();
-  const bool has_checkpoint = !args_.load.empty() && ckpt::latest_iteration(args_.load) >= 0;
+  const bool has_checkpoint = !args_.load.empty() && (args_.ckpt_step >= 0 || ckpt::latest_iteration(args_.load) >= 0);
   MEGATORCH_CHECK(!args_.use_checkpoint_args || has_checkpoint, "gpt_pretrain: --use-checkpoint-args needs a checkpoint "
                   "in --load, found none in '", args_.load, "'");
   MEGATORCH_CHECK(!args_.finetune || has_checkpoint, "gpt_pretrain: --finetune starts from a checkpoint's weights but "
@@ -121,7 +122,7 @@ Trainer::Trainer(TrainArguments args) : args_(std::move(args)) {
   MEGATORCH_CHECK(!args_.eval_only || has_checkpoint, "gpt_pretrain: --eval-only evaluates the checkpoint in --load, "
                   "found none in '", args_.load, "'; pass --load DIR of a saved run (its latest_checkpointed_iteration.txt)");
   if (has_checkpoint) {
-    const auto saved = ckpt::read_metadata(args_.load).at("model_config");
+    const auto saved = ckpt::read_metadata(args_.load, args_.ckpt_step).at("model_config");
     if (args_.use_checkpoint_args) apply_checkpoint_args(args_, saved);
     // Not a shape (loading does not compare it) but a property of the model: a Mistral's
     // window bounds the sequences it may train on (validate() refuses longer ones).

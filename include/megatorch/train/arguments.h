@@ -138,6 +138,7 @@ struct TrainArguments {
   // Checkpoints
   std::string save;
   std::string load;
+  int64_t ckpt_step = -1;  // --ckpt-step: load this iteration (-1: the one `latest` names)
   int64_t save_interval = 0;
   bool save_grads = false;  // the last step's gradients in each checkpoint (optim/grad/...)
   bool use_checkpoint_args = false;  // the model's shape from --load's checkpoint

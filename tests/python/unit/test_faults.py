@@ -256,13 +256,42 @@ def single_rank(faults=""):
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_checkpoint_is_refused_by_name_and_the_one_before_resumes(tmp_path, reference, damage):
+    """A shard of the newest checkpoint (8) truncated, or one byte flipped (a bad disk, a partial
+    copy): resuming fails on every rank naming the file, before any weight changes;
+    --ckpt-step 4 names the save before it, which resumes and ends byte-identical."""
+    import shutil
+    ref_ckpt, ref_losses = reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ref_ckpt, ckpt)
+    shutil.rmtree(ckpt / "iter_0000012")  # as if the run had stopped after saving 8
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("8\n")
+    shard = ckpt / "iter_0000008" / "rank_00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(data)
+    out = train([*ARGS, "--save", str(ckpt), "--load", str(ckpt)])
+    assert out.returncode != 0
+    expected = "the file is truncated or damaged" if damage == "truncate" else "fails its checksum"
+    assert re.search(r"iter_0000008/rank_00001\.safetensors'.*" + expected, out.stderr), out.stderr[-3000:]
+    assert latest(ckpt) == 8 and not (ckpt / "iter_0000012").exists()  # nothing was saved over it
+    out = train([*ARGS, "--save", str(ckpt), "--load", str(ckpt), "--ckpt-step", "4"])
+    assert out.returncode == 0 and "(iteration 4," in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    same_checkpoint(ref_ckpt, ckpt, ITERS)
+
+
 def test_bad_flags_are_refused_by_name():
     for args, message in [(["--exit-interval", "-1"], "--exit-interval >= 0"),
                           (["--skip-nan-steps", "-2"], "--skip-nan-steps >= 0"),
                           (["--exit-duration-in-mins", "nan"], "--exit-duration-in-mins to be a finite number"),
                           (["--async-save"], "--async-save needs --save DIR"),
                           (["--spike-threshold", "1"], "--spike-threshold to be a finite number > 1"),
-                          (["--rerun-mode", "report_stats"], "--rerun-mode")]:
+                          (["--rerun-mode", "report_stats"], "--rerun-mode"),
+                          (["--ckpt-step", "3"], "--ckpt-step needs --load DIR")]:
         out = subprocess.run([str(TRAIN), *without_tp(ARGS)[:-4], *args], capture_output=True, text=True, timeout=120,
                              env=single_rank())
         assert out.returncode == 1 and message in out.stderr, (args, out.stderr[-2000:])
